@@ -1,0 +1,94 @@
+"""In-process measurement of drafters: the figures of one greedy decode, and measured
+speed-up against ``none`` (same prompt, same tokens, same process, runs alternated,
+median of at least 5), as DESIGN.md defines it. Used by ``nodraft workshop`` and the
+benchmarks.
+
+The two prompts of the course's workshop are built at run time from held-out text of the
+Python standard library (never trained on):
+
+- **fresh**: the opening of a held-out function, which micro continues with new text;
+- **repeating**: a held-out function shown whole, then its first lines again, so the
+  continuation copies the context -- what prompt lookup and suffix decoding are for.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from drafters.registry import DrafterEnv, Registry
+from micro.corpus import split_documents
+from micro.model import KVCache, Micro
+from micro.tokenizer import Tokenizer
+from server.sequence import Sequence
+from server.stats import SpecStats
+
+FRESH_FROM = ("functools", "def total_ordering(cls):")
+REPEAT_FROM = ("functools", "def _lt_from_gt(self, other):")
+
+
+def _snippet(unit: str, anchor: str, n_chars: int) -> str:
+    text = next(d.text for d in split_documents("heldout") if d.unit == unit)
+    i = text.find(anchor)
+    if i < 0:  # another Python's library: take the unit's middle instead
+        i = len(text) // 2
+    return text[i:i + n_chars]
+
+
+def default_prompts() -> dict[str, str]:
+    fresh = _snippet(*FRESH_FROM, 240)
+    passage = _snippet(*REPEAT_FROM, 420)
+    return {"fresh": fresh, "repeating": passage + "\n\n" + passage[:120]}
+
+
+@dataclass
+class Run:
+    tokens: list[int]
+    stats: SpecStats
+    seconds: float  # decoding only: the prefill is the same for every drafter and left out
+
+
+def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
+           params: dict | None = None, registry: Registry | None = None,
+           shared: dict | None = None, model_name: str = "micro") -> Run:
+    registry = registry or Registry()
+    meth, p = registry.parse({"method": method, **(params or {})})
+    drafter = registry.build(meth, p, DrafterEnv(model_name, model, {} if shared is None else shared))
+    seq = Sequence(model, KVCache(model.config, 1), 0, prompt, drafter, n_tokens, method=meth)
+    out: list[int] = []
+    with torch.inference_mode():
+        seq.prefill()
+        t0 = time.perf_counter()
+        while not seq.done:
+            out += seq.step().tokens
+        seconds = time.perf_counter() - t0
+    return Run(out, seq.stats, seconds)
+
+
+def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str,
+                     params: dict | None = None, repeats: int = 5,
+                     model_name: str = "micro") -> tuple[float, Run, float]:
+    """(median of none's time / the drafter's time, the drafter's last run, none's median
+    seconds). Runs alternate none / drafter so drift on a shared machine hits both.
+    Each drafter run starts with fresh per-request state; suffix decoding's global tree is
+    fresh too, so no run is helped by an earlier identical response."""
+    reg = Registry()
+    decode(model, prompt, n_tokens, method, params, reg, model_name=model_name)  # warm-up
+    base, mine, ratios = [], [], []
+    run = None
+    for _ in range(repeats):
+        b = decode(model, prompt, n_tokens, "none", None, reg, model_name=model_name)
+        run = decode(model, prompt, n_tokens, method, params, reg, model_name=model_name)
+        if run.tokens != b.tokens:
+            raise AssertionError(f"{method} changed the greedy output")
+        base.append(b.seconds)
+        mine.append(run.seconds)
+        ratios.append(b.seconds / run.seconds)
+    return statistics.median(ratios), run, statistics.median(base)
+
+
+def encode_prompts(tok: Tokenizer, prompts: dict[str, str]) -> dict[str, list[int]]:
+    return {k: tok.encode(v) for k, v in prompts.items()}

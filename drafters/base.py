@@ -1,0 +1,109 @@
+"""The drafter protocol, the draft it returns, and the read-only context it sees.
+
+Glossary (the words used everywhere in nodraft):
+
+- **draft token**: a token a drafter proposes.
+- **accepted token**: a draft token that verification kept.
+- **bonus token**: the token the target itself emits at the end of each verification pass
+  (the correction at the first rejection, or the next token after a fully accepted draft).
+- **target pass**: one forward of the full target over the current token plus the step's
+  draft tokens. The prompt's prefill is not a target pass.
+- **draft cost**: the drafter's own compute for one step, in target-pass units (modelled
+  from FLOPs; each drafter states its model in its docstring).
+
+A draft is a *chain* (``parents is None``: token i follows token i-1, token 0 follows the
+current token) or a *tree* (``parents[i]`` is the index of node i's parent, -1 for the
+current token; parents come before children). Worked example, a tree of 4 nodes::
+
+    current token c
+    ├── node 0 "def"   parents[0] = -1
+    │   └── node 2 "f" parents[2] = 0
+    └── node 1 "class" parents[1] = -1
+        └── node 3 "A" parents[3] = 1
+
+is verified in one pass over [c, def, class, f, A] at positions n, n+1, n+1, n+2, n+2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from micro.model import KVCache, Micro
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: Tensor  # (n,) int64 proposed ids: a chain, or the nodes of a tree
+    parents: Tensor | None = None  # (n,) parent index per node, -1 = the current token
+    probs: Tensor | None = None  # (n, V) draft distribution q per node; None = deterministic
+    cost: float = 0.0  # the drafter's compute for this step, in target-pass units
+    # Early exit's KV reuse: the residual stream after layer ``exit_layer`` for the first n
+    # rows of the verification block ([current, draft[:-1]]), whose layers < exit_layer are
+    # already in the cache; verification runs those layers only for the last draft token.
+    exit_layer: int = 0
+    exit_hidden: Tensor | None = None  # (n, dim)
+    method: str | None = None  # set by ``auto``: the drafter that actually proposed
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def empty() -> "Draft":
+        return Draft(torch.empty(0, dtype=torch.long))
+
+    def depths(self) -> list[int]:
+        """Depth of each node (1 = child of the current token)."""
+        if self.parents is None:
+            return list(range(1, len(self) + 1))
+        depth: list[int] = []
+        for p in self.parents.tolist():
+            depth.append(1 if p < 0 else depth[p] + 1)
+        return depth
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read. Drafters never write the target's KV cache, except early
+    exit, which writes layers < E of rows past the committed length (scratch rows)."""
+
+    tokens: list[int]  # prompt + output so far; tokens[-1] is the current token (not cached)
+    prompt_len: int
+    model: Micro  # the target: early exit runs its first layers, heads share its LM head
+    cache: KVCache
+    slot: int
+    last_hidden: Tensor | None = None  # (m, dim) final-layer residual stream of the tokens
+    # committed by the last step ([previous current token, *accepted]); row -1 predicted
+    # the current token. None before the first target pass.
+    state: dict = field(default_factory=dict)  # per-sequence scratch for the drafter
+    temperature: float = 0.0  # the request's sampling temperature (0 = greedy)
+    generator: torch.Generator | None = None  # the request's random stream (sampled drafts)
+
+    @property
+    def n_cached(self) -> int:
+        return self.cache.lengths[self.slot]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        """At most ``budget`` draft tokens (tree nodes) following ``ctx.tokens``."""
+        ...
+
+    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        """After verification: ``accepted`` draft tokens, then the bonus token, were
+        appended to ``ctx.tokens``. Update pools and per-sequence state."""
+        ...
+
+
+def close_drafter(drafter: Drafter, ctx: DraftContext) -> None:
+    """Tell a drafter its sequence ended (optional ``close``: e.g. suffix decoding adds the
+    response to its global tree)."""
+    close = getattr(drafter, "close", None)
+    if close is not None:
+        close(ctx)

@@ -1,0 +1,126 @@
+"""Drafters by name: the built-ins, and plugins from the ``nodraft.drafters`` entry points.
+
+A drafter class carries a ``Params`` dataclass (its request parameters, with defaults and
+checks in ``__post_init__``) and is built per request as ``cls(params, env)``. ``env``
+gives it the target and a ``shared`` dict that lives as long as the server (per drafter
+and model), for state shared across requests such as suffix decoding's global tree.
+Registering a drafter touches no other drafter and no if/elif chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from importlib import import_module
+from importlib.metadata import entry_points
+from typing import Any, get_type_hints
+
+from micro.model import Micro
+
+BUILTIN = {
+    "none": "drafters.none:NoDraft",
+    "prompt_lookup": "drafters.prompt_lookup:PromptLookup",
+    "early_exit": "drafters.early_exit:EarlyExit",
+    "suffix": "drafters.suffix:SuffixDecoding",
+}
+ALIASES = {"ngram": "prompt_lookup"}
+
+
+class SpeculationError(ValueError):
+    """A speculation request that names an unknown method or parameter, or a bad value."""
+
+    def __init__(self, message: str, param: str = "speculation"):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class DrafterEnv:
+    model_name: str
+    model: Micro
+    shared: dict = field(default_factory=dict)
+
+
+def _load(target: str) -> type:
+    module, _, attr = target.partition(":")
+    return getattr(import_module(module), attr)
+
+
+class Registry:
+    def __init__(self, builtin: dict[str, str] | None = None, plugins: bool = True):
+        self._targets = dict(BUILTIN if builtin is None else builtin)
+        self._classes: dict[str, type] = {}
+        if plugins:
+            for ep in entry_points(group="nodraft.drafters"):
+                self._targets.setdefault(ep.name, ep.value)
+
+    def register(self, name: str, cls_or_target: type | str) -> None:
+        if isinstance(cls_or_target, str):
+            self._targets[name] = cls_or_target
+        else:
+            self._classes[name] = cls_or_target
+            self._targets[name] = f"{cls_or_target.__module__}:{cls_or_target.__qualname__}"
+
+    def names(self) -> list[str]:
+        return sorted(self._targets)
+
+    def canonical(self, method: str) -> str:
+        method = ALIASES.get(method, method)
+        if method not in self._targets:
+            raise SpeculationError(
+                f"unknown speculation method {method!r}; available: "
+                + ", ".join(self.names() + [f"{a} (= {t})" for a, t in ALIASES.items()]),
+                "speculation.method")
+        return method
+
+    def drafter_class(self, method: str) -> type:
+        method = self.canonical(method)
+        if method not in self._classes:
+            self._classes[method] = _load(self._targets[method])
+        return self._classes[method]
+
+    def parse(self, speculation: str | dict | None, default: str | dict = "none") -> tuple[str, Any]:
+        """``"method"`` or ``{"method": ..., **params}`` -> (canonical method, Params)."""
+        spec = default if speculation is None else speculation
+        if isinstance(spec, str):
+            spec = {"method": spec}
+        if not isinstance(spec, dict) or not isinstance(spec.get("method"), str):
+            raise SpeculationError(
+                "speculation must be a method name or an object with a string 'method'")
+        params = {k: v for k, v in spec.items() if k != "method"}
+        method = self.canonical(spec["method"])
+        cls = self.drafter_class(method)
+        known = {f.name: f for f in dataclasses.fields(cls.Params)}
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise SpeculationError(
+                f"unknown parameter(s) {unknown} for speculation method {method!r}; "
+                f"it takes: {sorted(known) or 'no parameters'}", f"speculation.{unknown[0]}")
+        hints = get_type_hints(cls.Params)
+        for k, v in params.items():
+            want = hints[k]
+            ok = isinstance(v, want) and not (isinstance(v, bool) and want is not bool)
+            if want is float and isinstance(v, int) and not isinstance(v, bool):
+                ok, params[k] = True, float(v)
+            if not ok:
+                raise SpeculationError(f"speculation.{k} must be {want.__name__}, got {v!r}",
+                                       f"speculation.{k}")
+        try:
+            return method, cls.Params(**params)
+        except (TypeError, ValueError) as e:
+            raise SpeculationError(f"speculation for {method!r}: {e}") from None
+
+    def build(self, method: str, params: Any, env: DrafterEnv):
+        return self.drafter_class(method)(params, env)
+
+    def describe(self) -> dict[str, dict]:
+        """Every method with its parameters and defaults (for errors, docs and /v1/models)."""
+        out = {}
+        for name in self.names():
+            try:
+                cls = self.drafter_class(name)
+            except Exception as e:  # a broken plugin must not take the server down
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            out[name] = {f.name: f.default for f in dataclasses.fields(cls.Params)}
+        return out

@@ -1,0 +1,1 @@
+"""micro: the four-layer target model, its tokenizer, corpus, training and evaluation."""

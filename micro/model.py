@@ -1,0 +1,252 @@
+"""micro: a Llama-style decoder in one file.
+
+RMSNorm, rotary position embeddings (RoPE, Hugging Face's rotate-half layout), SwiGLU,
+tied input/output embeddings, no biases. Four layers of width 160: about 1.8M parameters.
+
+The forward pass is written for speculative decoding:
+
+- explicit ``pos`` (rotary positions) apart from where the keys and values are *stored*:
+  a tree of draft tokens stores its nodes in consecutive cache rows while nodes at the same
+  depth share a position;
+- an optional block mask over the new tokens (tree attention); the cached prefix is always
+  visible;
+- a preallocated, position-indexed KV cache (``KVCache``): a forward writes rows
+  ``[start, start + T)`` of one slot and never changes the slot's committed length, so the
+  caller accepts by advancing it and rolls back by simply not doing so;
+- ``run_layers(h, lo, hi)`` runs any contiguous range of layers, so early exit (layers
+  ``[0, E)`` then the final norm and head) and its continuation (layers ``[E, L)``) reuse
+  the same cache rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class MicroConfig:
+    vocab_size: int = 4096
+    dim: int = 160
+    n_layers: int = 4
+    n_heads: int = 4
+    ffn_dim: int = 384
+    max_positions: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class KVCache:
+    """Keys and values for ``n_slots`` sequences, preallocated and written by row.
+
+    k, v: (n_layers, n_slots, n_heads, max_len, head_dim). ``lengths[slot]`` is the number
+    of committed rows; rows past it are scratch space (drafts being verified) and are
+    overwritten freely. Rollback is setting a length.
+    """
+
+    def __init__(self, config: MicroConfig, n_slots: int = 1, max_len: int | None = None,
+                 dtype: torch.dtype = torch.float32):
+        self.max_len = max_len or config.max_positions
+        shape = (config.n_layers, n_slots, config.n_heads, self.max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype)
+        self.v = torch.zeros(shape, dtype=dtype)
+        self.lengths = [0] * n_slots
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.lengths)
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def advance(self, slot: int, n: int) -> None:
+        assert self.lengths[slot] + n <= self.max_len
+        self.lengths[slot] += n
+
+    def set_length(self, slot: int, n: int) -> None:
+        assert 0 <= n <= self.max_len
+        self.lengths[slot] = n
+
+    def move_rows(self, slot: int, src: list[int], dst: int) -> None:
+        """Copy rows ``src`` (in order) to ``dst, dst+1, ...`` in every layer (tree paths)."""
+        if src == list(range(dst, dst + len(src))):
+            return
+        idx = torch.tensor(src)
+        for cache in (self.k, self.v):
+            cache[:, slot, :, dst:dst + len(src)] = cache[:, slot, :, idx]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+def rope_tables(config: MicroConfig) -> tuple[Tensor, Tensor]:
+    """cos, sin: (max_positions, head_dim), the halves repeated (rotate-half layout)."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    angles = torch.arange(config.max_positions, dtype=torch.float64)[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: (B, H, T, D); cos, sin: (B, 1, T, D)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MicroConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.wqkv = nn.Linear(config.dim, 3 * config.dim, bias=False)  # q, k, v stacked
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None,
+                start: int, mask: Tensor | None) -> Tensor:
+        B, T, C = x.shape
+        qkv = F.linear(x, self.wqkv.weight).view(B, T, 3, self.n_heads, self.head_dim)
+        qkv = qkv.permute(2, 0, 3, 1, 4)
+        q, k, v = apply_rope(qkv[:2], cos, sin).unbind(0) + (qkv[2],)  # each (B, H, T, D)
+        if kv is not None:  # write rows [start, start+T) of this slot, attend over [0, start+T)
+            k_cache, v_cache = kv  # (H, max_len, D) views of one layer, one slot
+            k_cache[:, start:start + T] = k[0]
+            v_cache[:, start:start + T] = v[0]
+            k, v = k_cache[None, :, :start + T], v_cache[None, :, :start + T]
+        if mask is None and kv is not None and T == 1:
+            y = F.scaled_dot_product_attention(q, k, v)  # one query sees everything before it
+        elif mask is None and start == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.linear(y.transpose(1, 2).reshape(B, T, C), self.wo.weight)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: MicroConfig):
+        super().__init__()
+        self.ffn_dim = config.ffn_dim
+        self.w13 = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)  # gate, up stacked
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.w13.weight).split(self.ffn_dim, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w2.weight)
+
+
+class Block(nn.Module):
+    def __init__(self, config: MicroConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x, cos, sin, kv, start, mask):
+        # Sub-modules are called through .forward and linears through F.linear: a 1-token
+        # pass is mostly per-call overhead on a CPU, and nn.Module.__call__ is part of it.
+        an, fn = self.attention_norm, self.ffn_norm
+        x = x + self.attention.forward(F.rms_norm(x, an.weight.shape, an.weight, an.eps),
+                                       cos, sin, kv, start, mask)
+        return x + self.feed_forward.forward(F.rms_norm(x, fn.weight.shape, fn.weight, fn.eps))
+
+
+class Micro(nn.Module):
+    def __init__(self, config: MicroConfig = MicroConfig()):
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2's scaled init of residual outputs
+            if name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layers))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- the pieces -----------------------------------------------------------------------
+    def embed(self, idx: Tensor) -> Tensor:
+        return self.tok_embeddings(idx)  # (B, T, dim)
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final norm and the tied LM head: residual stream (..., dim) -> logits (..., V)."""
+        return F.linear(self.norm(h), self.tok_embeddings.weight)
+
+    def block_mask(self, T: int, start: int, tree_mask: Tensor | None) -> Tensor | None:
+        """Boolean (T, start+T) mask, True = may attend: the prefix, then the block's mask."""
+        if tree_mask is None:
+            if T == 1 or start == 0:
+                return None  # handled by SDPA without a mask / with is_causal
+            return torch.ones(T, start + T, dtype=torch.bool).tril(start)
+        return torch.cat([torch.ones(T, start, dtype=torch.bool), tree_mask], dim=1)
+
+    def run_layers(self, h: Tensor, pos: Tensor, lo: int, hi: int, *,
+                   cache: KVCache | None = None, slot: int = 0, start: int = 0,
+                   mask: Tensor | None = None, hidden: list[Tensor] | None = None,
+                   keep: list[Tensor] | None = None) -> Tensor:
+        """Layers [lo, hi) on residual stream h (B, T, dim) at rotary positions pos (B, T).
+
+        With a cache (B must be 1), keys and values are written to rows [start, start+T)
+        of ``slot`` and the block attends to rows [0, start) plus itself under ``mask``,
+        a (T, start+T) boolean from ``block_mask``. ``hidden`` collects each layer's output;
+        ``keep`` (training only: LayerSkip's layer dropout) holds a (B, 1, 1) 0/1 tensor
+        per layer, 0 where that sample skips the layer.
+        """
+        cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # (B, 1, T, D)
+        for i in range(lo, hi):
+            kv = (cache.k[i, slot], cache.v[i, slot]) if cache is not None else None
+            out = self.layers[i].forward(h, cos, sin, kv, start, mask)
+            h = out if keep is None else h + keep[i] * (out - h)
+            if hidden is not None:
+                hidden.append(h)
+        return h
+
+    def forward(self, idx: Tensor, pos: Tensor | None = None, *, cache: KVCache | None = None,
+                slot: int = 0, start: int | None = None, tree_mask: Tensor | None = None,
+                exit_layer: int | None = None, hidden: list[Tensor] | None = None) -> Tensor:
+        """Logits (B, T, V) for token ids idx (B, T).
+
+        pos defaults to start + arange(T); start defaults to the slot's committed length.
+        exit_layer=k stops after layer k and reads logits through the final norm and head
+        (early exit / the logit lens). tree_mask (T, T) bool restricts attention within the
+        new block (each node sees its ancestors); the default is causal.
+        """
+        B, T = idx.shape
+        if start is None:
+            start = cache.lengths[slot] if cache is not None else 0
+        if pos is None:
+            pos = torch.arange(start, start + T).expand(B, T)
+        mask = self.block_mask(T, start, tree_mask)
+        h = self.embed(idx)
+        if hidden is not None:
+            hidden.append(h)
+        h = self.run_layers(h, pos, 0, exit_layer or self.config.n_layers, cache=cache,
+                            slot=slot, start=start, mask=mask, hidden=hidden)
+        return self.head(h)

@@ -1,0 +1,64 @@
+"""``nodraft``: one command line for serving, training, evaluating and measuring.
+
+    nodraft serve    [--host 127.0.0.1] [--port 8000] [--speculation METHOD] [--api-key KEY] ...
+    nodraft eval     [--json]          held-out loss of every checkpoint and variant
+    nodraft workshop [--json] [--plot FILE] [--url URL]   the course's table, measured
+    nodraft train    tokenizer | micro | medusa | eagle ...
+    nodraft export-hf DIR [--model NAME]
+    nodraft loadtest --url URL --concurrency N --requests M [--json]
+
+Each subcommand lives with its package; this module only dispatches (imports are lazy, so
+``nodraft --help`` does not load torch).
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import import_module
+
+COMMANDS = {
+    "serve": ("server.app", "main", "run the OpenAI-compatible server"),
+    "eval": ("micro.eval", "main", "held-out loss of every checkpoint and variant"),
+    "workshop": ("clients.workshop", "main", "the course's table, measured"),
+    "export-hf": ("micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
+    "loadtest": ("clients.loadtest", "main", "load-test a running server"),
+}
+TRAIN = {
+    "tokenizer": ("micro.train_tokenizer", "main", "the byte-level BPE on the train split"),
+    "micro": ("micro.train", "main", "micro or micro-layerskip (--layerskip)"),
+    "medusa": ("drafters.train_heads", "main_medusa", "Medusa heads for a checkpoint"),
+    "eagle": ("drafters.train_heads", "main_eagle", "the EAGLE head for a checkpoint"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: nodraft COMMAND [options]", "", "commands:"]
+    for name, (_, _, doc) in COMMANDS.items():
+        lines.append(f"  {name:10s} {doc}")
+    lines.append(f"  {'train':10s} {' | '.join(TRAIN)}: train an artefact")
+    return "\n".join(lines)
+
+
+def _run(target: tuple[str, str, str], argv: list[str]) -> None:
+    module, func, _ = target
+    getattr(import_module(module), func)(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        if not rest or rest[0] not in TRAIN:
+            sys.exit("usage: nodraft train {" + ",".join(TRAIN) + "} [options]")
+        _run(TRAIN[rest[0]], rest[1:])
+    elif cmd in COMMANDS:
+        _run(COMMANDS[cmd], rest)
+    else:
+        sys.exit(f"nodraft: unknown command {cmd!r}\n\n{_usage()}")
+
+
+if __name__ == "__main__":
+    main()

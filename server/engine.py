@@ -1,0 +1,242 @@
+"""The engine: one thread owns the models and their KV caches and runs every sequence.
+
+asyncio never touches a model. The API submits a ``GenerationRequest`` with a callback;
+the engine thread admits it when a KV slot is free (at most ``max_running`` sequences, at
+most ``max_waiting`` queued, else ``QueueFull``), steps every running sequence in turn,
+and reports each step's tokens through the callback (the API hops them onto the event
+loop with ``call_soon_threadsafe``). Cancelling a request -- a client that went away --
+frees its slot before the next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from drafters.registry import DrafterEnv, Registry
+from micro.model import KVCache, Micro
+from server.sequence import Sequence, StepResult
+from server.stats import SpecStats
+from server.verify import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """More requests than ``max_running`` + ``max_waiting``: the caller should retry later."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is draining or stopped and takes no new requests."""
+
+
+@dataclass
+class GenerationRequest:
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    method: str = "none"
+    params: Any = None  # the drafter's Params (Registry.parse)
+    stop_token_ids: tuple[int, ...] = ()  # besides the engine's end-of-text
+
+
+@dataclass
+class Event:
+    """What the engine reports: ``step`` (tokens), then one ``finish`` (or ``error``)."""
+
+    kind: str  # "step" | "finish" | "error"
+    step: StepResult | None = None
+    finish_reason: str | None = None
+    stats: SpecStats | None = None
+    stats_by_method: dict[str, SpecStats] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Handle:
+    id: int
+    request: GenerationRequest
+    callback: Callable[[Event], None]
+    cancelled: bool = False
+    sequence: Sequence | None = None
+    submitted: float = field(default_factory=time.monotonic)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def report(self, event: Event) -> None:
+        """Deliver an event; a callback that fails cancels its own request, nothing more."""
+        try:
+            self.callback(event)
+        except Exception:
+            self.cancelled = True
+
+
+class EngineObserver:
+    """Hooks for metrics; the default does nothing."""
+
+    def on_admit(self, handle: Handle) -> None: ...
+    def on_step(self, handle: Handle, step: StepResult) -> None: ...
+    def on_finish(self, handle: Handle, reason: str) -> None: ...
+    def on_queue(self, running: int, waiting: int) -> None: ...
+
+
+class Engine:
+    def __init__(self, models: dict[str, Micro], registry: Registry, eot_id: int | None,
+                 max_running: int = 16, max_waiting: int = 64,
+                 observer: EngineObserver | None = None, threads: int | None = None):
+        self.models = models
+        self.registry = registry
+        self.eot_id = eot_id
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.observer = observer or EngineObserver()
+        self.threads = threads
+        self.caches = {name: KVCache(m.config, max_running) for name, m in models.items()}
+        self.free_slots = {name: list(range(max_running)) for name in models}
+        self.shared: dict[tuple[str, str], dict] = {}  # (method, model) -> drafter state
+        self.waiting: deque[Handle] = deque()
+        self.running: list[Handle] = []
+        self._ids = itertools.count(1)
+        self._cv = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="nodraft-engine", daemon=True)
+
+    # -- the API's side (any thread) ---------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, callback: Callable[[Event], None]) -> Handle:
+        with self._cv:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            if len(self.running) + len(self.waiting) >= self.max_running + self.max_waiting:
+                raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting")
+            handle = Handle(next(self._ids), request, callback)
+            self.waiting.append(handle)
+            self.observer.on_queue(len(self.running), len(self.waiting))
+            self._cv.notify()
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        with self._cv:
+            handle.cancel()
+            self._cv.notify()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def drain(self, timeout: float) -> bool:
+        """Stop taking requests; wait up to ``timeout`` s for in-flight ones to finish."""
+        with self._cv:
+            self._accepting = False
+            end = time.monotonic() + timeout
+            while self.running or self.waiting:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stop(self) -> None:
+        with self._cv:
+            self._accepting = False
+            self._stop = True
+            for h in list(self.waiting) + list(self.running):
+                h.cancel()
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    # -- the engine thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stop and not self.running and not self.waiting:
+                        self._cv.wait()
+                    if self._stop and not self.running and not self.waiting:
+                        return
+                    self._reap()
+                    self._admit()
+                    batch = list(self.running)
+                for handle in batch:
+                    if not handle.cancelled:
+                        self._step(handle)
+                with self._cv:
+                    self._reap()
+                    self._cv.notify_all()
+
+    def _admit(self) -> None:
+        while self.waiting:
+            handle = self.waiting[0]
+            if handle.cancelled:
+                self.waiting.popleft()
+                self._finish(handle, "cancelled")
+                continue
+            name = handle.request.model
+            if not self.free_slots[name]:
+                break
+            self.waiting.popleft()
+            slot = self.free_slots[name].pop()
+            try:
+                handle.sequence = self._sequence(handle, slot)
+            except Exception as e:  # a drafter that cannot be built fails its request only
+                self.free_slots[name].append(slot)
+                handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
+                self.observer.on_finish(handle, "error")
+                continue
+            self.running.append(handle)
+            self.observer.on_admit(handle)
+        self.observer.on_queue(len(self.running), len(self.waiting))
+
+    def _sequence(self, handle: Handle, slot: int) -> Sequence:
+        req = handle.request
+        model = self.models[req.model]
+        env = DrafterEnv(req.model, model, self.shared.setdefault((req.method, req.model), {}))
+        drafter = self.registry.build(req.method, req.params, env)
+        stops = frozenset(req.stop_token_ids) | ({self.eot_id} if self.eot_id is not None else set())
+        return Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
+                        req.sampling, stops, req.method)
+
+    def _step(self, handle: Handle) -> None:
+        seq = handle.sequence
+        try:
+            result = seq.step()
+        except Exception as e:  # the target itself failed: end this request, keep serving
+            seq.finish("error")
+            handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
+            return
+        self.observer.on_step(handle, result)
+        handle.report(Event("step", step=result))
+
+    def _reap(self) -> None:
+        """Free the slots of finished and cancelled sequences; report their end."""
+        keep = []
+        for handle in self.running:
+            seq = handle.sequence
+            if handle.cancelled and not seq.done:
+                seq.finish("cancelled")
+            if seq.done:
+                self.free_slots[handle.request.model].append(seq.slot)
+                self._finish(handle, seq.finish_reason)
+            else:
+                keep.append(handle)
+        self.running = keep
+        self.observer.on_queue(len(self.running), len(self.waiting))
+
+    def _finish(self, handle: Handle, reason: str) -> None:
+        seq = handle.sequence
+        if reason != "error":
+            handle.report(Event("finish", finish_reason=reason,
+                                  stats=seq.stats if seq else SpecStats(handle.request.method),
+                                  stats_by_method=seq.stats_by_method if seq else {}))
+        self.observer.on_finish(handle, reason)

@@ -1,0 +1,234 @@
+"""One sequence's speculative decoding: token ids in, token ids out.
+
+    prefill(prompt[:-1])                      # not a target pass
+    loop:
+        draft  = drafter.propose(ctx, budget)  # propose
+        logits = target([current, *draft])     # verify: ONE target pass, tree mask if any
+        path, bonus = accept(logits, draft)    # accept: greedy or lossless sampling
+        cache.length = n + 1 + len(path)       # rollback: the rest of the rows are scratch
+        drafter.observe(ctx, accepted)         # observe
+        emit(accepted + [bonus])
+
+The prompt's last token is the first *current token*: it is not prefilled but verified
+with the first draft, so even the first generated token can come from a draft and plain
+decoding makes exactly one target pass per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from drafters.base import Draft, DraftContext, Drafter, close_drafter
+from micro.model import KVCache, Micro
+from server.stats import SpecStats
+from server.verify import SamplingParams, accept
+
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]  # emitted this step, in order (after stops)
+    n_accepted: int  # how many of ``tokens`` were accepted draft tokens (the rest: bonus)
+    draft: list[int]  # the draft's tokens (tree nodes in node order)
+    rejected: list[int]  # draft tokens on the first rejected branch (for display)
+    method: str  # the drafter that proposed (``auto`` reports the one it chose)
+    cost: float = 0.0  # the draft's cost, in target-pass units
+    finish_reason: str | None = None
+
+
+@dataclass
+class Sequence:
+    model: Micro
+    cache: KVCache
+    slot: int
+    prompt: list[int]
+    drafter: Drafter
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()  # end-of-text and the like: not emitted
+    method: str = "none"
+    max_draft: int = 64
+
+    def __post_init__(self):
+        assert 1 <= len(self.prompt) < self.cache.max_len, "prompt must fit the context"
+        self.tokens = list(self.prompt)
+        self.generated = 0
+        self.finish_reason: str | None = None
+        self.stats = SpecStats(self.method)
+        self.stats_by_method: dict[str, SpecStats] = {}
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.sampling.seed if self.sampling.seed is not None
+                                   else int(torch.randint(0, 2**62, (1,))))
+        self.ctx = DraftContext(self.tokens, len(self.prompt), self.model, self.cache, self.slot,
+                                temperature=self.sampling.temperature, generator=self.generator)
+        self.prefilled = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    # -- prefill --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        """Cache every prompt token but the last (which becomes the current token)."""
+        self.cache.reset(self.slot)
+        body = self.prompt[:-1]
+        for s in range(0, len(body), PREFILL_CHUNK):
+            chunk = torch.tensor([body[s:s + PREFILL_CHUNK]])
+            hidden: list[Tensor] = []
+            self.model(chunk, cache=self.cache, slot=self.slot, start=s, hidden=hidden)
+            self.cache.advance(self.slot, chunk.shape[1])
+            self.ctx.last_hidden = hidden[-1][0]
+        self.prefilled = True
+
+    # -- one step -------------------------------------------------------------------------
+    def budget(self) -> int:
+        """Draft tokens this step may carry: leave room for the bonus token, within
+        max_tokens and the context."""
+        room = min(self.max_tokens - self.generated, self.cache.max_len - len(self.tokens))
+        return max(0, min(self.max_draft, room - 1))
+
+    def propose(self) -> Draft:
+        budget = self.budget()
+        if budget == 0:
+            return Draft.empty()
+        try:
+            draft = self.drafter.propose(self.ctx, budget)
+        except Exception:  # a drafter that raises is contained: plain decoding this step
+            self._drafter_error(self.method)
+            return Draft.empty()
+        if len(draft) > budget:  # parents precede children: any prefix is a valid tree
+            draft = _truncate(draft, budget)
+        return draft
+
+    @torch.inference_mode()
+    def verify(self, draft: Draft) -> tuple[Tensor, Tensor]:
+        """ONE target pass over [current, *draft]: logits (1+k, V), final hidden (1+k, dim)."""
+        n = self.cache.lengths[self.slot]
+        assert n == len(self.tokens) - 1
+        k = len(draft)
+        block = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
+        m = self.model
+        if draft.exit_layer and k:  # early exit: layers < E are cached for all but the last
+            E = draft.exit_layer
+            pos_last = torch.tensor([[n + k]])
+            h_last = m.run_layers(m.embed(block[:, -1:]), pos_last, 0, E, cache=self.cache,
+                                  slot=self.slot, start=n + k)
+            h = torch.cat([draft.exit_hidden[None], h_last], dim=1)  # (1, 1+k, dim)
+            pos = torch.arange(n, n + k + 1)[None]
+            h = m.run_layers(h, pos, E, m.config.n_layers, cache=self.cache, slot=self.slot,
+                             start=n, mask=m.block_mask(k + 1, n, None))
+            return m.head(h)[0], h[0]
+        if draft.parents is None:
+            pos, tree_mask = None, None
+        else:
+            depth = torch.tensor([0, *draft.depths()])
+            pos = (n + depth)[None]
+            tree_mask = tree_attention_mask(draft.parents)
+        hidden: list[Tensor] = []
+        logits = m(block, pos, cache=self.cache, slot=self.slot, start=n, tree_mask=tree_mask,
+                   hidden=hidden)
+        return logits[0], hidden[-1][0]
+
+    def commit(self, draft: Draft, path: list[int], bonus: int, hidden: Tensor) -> StepResult:
+        """Roll the cache back to the accepted path, record the figures, apply stops."""
+        n = self.cache.lengths[self.slot]
+        if draft.parents is not None and path:  # move the accepted path's rows into place
+            self.cache.move_rows(self.slot, [n + 1 + i for i in path], n + 1)
+        self.cache.set_length(self.slot, n + 1 + len(path))
+        dtok = draft.tokens.tolist()
+        accepted = [dtok[i] for i in path]
+        method = draft.method or self.method
+        for s in (self.stats, self._method_stats(method)):
+            s.record(len(draft), len(accepted), draft.cost)
+        self.ctx.last_hidden = hidden[[0, *(i + 1 for i in path)]]
+        emitted = accepted + [bonus]
+        finish = None
+        hit = next((i for i, t in enumerate(emitted) if t in self.stop_ids), None)
+        if hit is not None:
+            emitted = emitted[:hit]
+            finish = "stop"
+        self.tokens.extend(accepted + [bonus])
+        self.generated += len(emitted)
+        if finish is None and self.generated >= self.max_tokens:
+            finish = "length"
+        if finish is None and len(self.tokens) >= self.cache.max_len:
+            finish = "length"  # the context is full
+        try:
+            self.drafter.observe(self.ctx, accepted)
+        except Exception:
+            self._drafter_error(method)
+        if finish is not None:
+            self.finish(finish)
+        rejected = _rejected_branch(draft, path)
+        return StepResult(emitted, min(len(accepted), len(emitted)), dtok, rejected, method,
+                          draft.cost, finish)
+
+    def finish(self, reason: str) -> None:
+        """End the sequence (a stop, a limit, or ``"cancelled"``); the drafter hears of it."""
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            try:
+                close_drafter(self.drafter, self.ctx)
+            except Exception:
+                self._drafter_error(self.method)
+
+    def step(self) -> StepResult:
+        if not self.prefilled:
+            self.prefill()
+        draft = self.propose()
+        logits, hidden = self.verify(draft)
+        path, bonus = accept(logits, draft, self.sampling, self.generator)
+        return self.commit(draft, path, bonus, hidden)
+
+    def _drafter_error(self, method: str) -> None:
+        self.stats.drafter_errors += 1
+        self._method_stats(method).drafter_errors += 1
+
+    def _method_stats(self, method: str) -> SpecStats:
+        if method not in self.stats_by_method:
+            self.stats_by_method[method] = SpecStats(method)
+        return self.stats_by_method[method]
+
+
+def tree_attention_mask(parents: Tensor) -> Tensor:
+    """(1+n, 1+n) bool: row 0 is the current token; node i sees the current token, its
+    ancestors and itself."""
+    n = parents.numel()
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[0, 0] = True
+    par = parents.tolist()
+    for i in range(n):
+        mask[i + 1, i + 1] = True
+        p = par[i]
+        if p >= 0:
+            mask[i + 1] |= mask[p + 1]
+    return mask
+
+
+def _truncate(draft: Draft, keep: int) -> Draft:
+    return Draft(draft.tokens[:keep],
+                 None if draft.parents is None else draft.parents[:keep],
+                 None if draft.probs is None else draft.probs[:keep], draft.cost,
+                 draft.exit_layer, None if draft.exit_hidden is None else draft.exit_hidden[:keep],
+                 draft.method)
+
+
+def _rejected_branch(draft: Draft, path: list[int]) -> list[int]:
+    """The draft tokens after the accepted path on the first branch not taken (a chain's
+    rejected tail; for a tree, the first child of the last accepted node's branch)."""
+    tokens = draft.tokens.tolist()
+    if draft.parents is None:
+        return tokens[len(path):]
+    parents = draft.parents.tolist()
+    last = path[-1] if path else -1
+    out, node = [], next((i for i, p in enumerate(parents) if p == last), None)
+    while node is not None:
+        out.append(tokens[node])
+        node = next((i for i, p in enumerate(parents) if p == node), None)
+    return out

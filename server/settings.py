@@ -1,0 +1,74 @@
+"""The server's settings: defaults, then ``NODRAFT_*`` environment variables, then flags.
+
+    nodraft serve --port 8000 --speculation prompt_lookup
+    NODRAFT_PORT=8000 NODRAFT_SPECULATION='{"method": "early_exit", "exit_layer": 2}' nodraft serve
+
+Every field is also a command-line flag (``max_running`` -> ``--max-running``); a flag given
+on the command line wins over the environment. The object is passed explicitly to
+``server.app.create_app``; nothing reads the environment after start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from micro.checkpoint import CHECKPOINT_DIR
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NODRAFT_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
+    speculation: str | dict = Field(
+        "none", description="the default drafter for requests without `speculation`: a "
+        "method name or a JSON object such as '{\"method\": \"early_exit\", \"exit_layer\": 2}'")
+    api_key: SecretStr | None = Field(
+        None, description="if set, /v1/* requires `Authorization: Bearer KEY`")
+    max_running: int = Field(16, ge=1, le=256, description="sequences decoded at once")
+    max_waiting: int = Field(64, ge=0, description="sequences queued beyond those (then 429)")
+    max_body_bytes: int = Field(1_000_000, ge=1024, description="request body limit (then 413)")
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins allowed by CORS, comma-separated (default: "
+        "none, CORS off)")
+    checkpoints: Path = Field(CHECKPOINT_DIR, description="directory holding micro.safetensors, "
+                              "micro-layerskip.safetensors and tokenizer.json")
+    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight "
+                                 "requests may run before they are cancelled")
+    threads: int | None = Field(None, ge=1, description="torch threads of the engine")
+    log_level: str = Field("info", description="uvicorn's log level")
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _speculation_json(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.lstrip().startswith("{"):
+            return json.loads(v)
+        return v
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [o.strip() for o in v.split(",") if o.strip()]
+        return v
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> "Settings":
+        """Parse ``nodraft serve`` flags; flags left out fall back to env, then defaults."""
+        parser = argparse.ArgumentParser(
+            prog="nodraft serve", description="Run the OpenAI-compatible nodraft server.",
+            argument_default=argparse.SUPPRESS)
+        for name, info in cls.model_fields.items():
+            flag = "--" + name.replace("_", "-")
+            default = info.get_default(call_default_factory=True)
+            parser.add_argument(flag, dest=name, metavar=name.upper(),
+                                help=f"{info.description} (env NODRAFT_{name.upper()}; "
+                                     f"default: {default})")
+        given = vars(parser.parse_args(argv))
+        return cls(**given)

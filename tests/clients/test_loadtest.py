@@ -1,0 +1,80 @@
+"""``nodraft loadtest`` against a live server, and its arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from clients import loadtest
+from clients.loadtest import LoadConfig, percentiles, run_loadtest, speculation
+
+
+def ordered(p: dict) -> None:
+    assert p["p50"] <= p["p90"] <= p["p99"]
+
+
+def test_streaming_mix_of_methods(live):
+    progress = io.StringIO()
+    config = LoadConfig(url=live.url, concurrency=4, requests=12, max_tokens=16,
+                        methods=["none", "prompt_lookup"])
+    r = asyncio.run(run_loadtest(config, progress, interval=0.2))
+    assert r["errors"] == {}
+    assert r["requests"] == {"sent": 12, "ok": 12, "failed": 0}
+    lat = r["latency_s"]
+    for key in ("ttft", "inter_token", "e2e"):
+        ordered(lat[key])
+    assert lat["ttft"]["n"] == lat["e2e"]["n"] == 12
+    assert lat["ttft"]["p50"] <= lat["e2e"]["p50"]
+    assert r["throughput"]["requests_per_s"] > 0 and r["throughput"]["generated_tokens"] > 0
+    none, lookup = r["methods"]["none"], r["methods"]["prompt_lookup"]
+    assert none["requests"] == lookup["requests"] == 6
+    assert none["drafted"] == 0 and none["acceptance_rate"] is None
+    assert none["tokens_per_pass"] == 1.0
+    assert lookup["target_passes"] > 0
+    assert lookup["tokens_per_pass"] == pytest.approx(
+        (lookup["accepted"] + lookup["target_passes"]) / lookup["target_passes"])
+    assert "12/12 done" in progress.getvalue()
+    assert "prompt_lookup" in loadtest.render(r)
+
+
+def test_cli_not_streaming_json(live, capsys):
+    loadtest.main(["--url", live.url + "/v1", "--concurrency", "2", "--requests", "4",
+                   "--no-stream", "--max-tokens", "8", "--json", "--quiet",
+                   "--methods", "early_exit:exit_layer=1", "--endpoint", "chat"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["requests"]["ok"] == 4
+    assert r["latency_s"]["ttft"] is None and r["latency_s"]["inter_token"] is None
+    ordered(r["latency_s"]["e2e"])
+    assert r["methods"]["early_exit:exit_layer=1"]["target_passes"] > 0
+
+
+def test_errors_by_status_and_the_duration_bound(live):
+    config = LoadConfig(url=live.url, concurrency=2, requests=10**6, duration=1.0,
+                        max_tokens=4, methods=["none", "no_such_drafter"], stream=False)
+    r = asyncio.run(run_loadtest(config))
+    assert 0 < r["requests"]["sent"] < 10**6 and r["duration_s"] < 30  # stopped by itself
+    assert set(r["errors"]) == {"400"}
+    assert r["methods"]["no_such_drafter"]["errors"] == r["methods"]["no_such_drafter"]["requests"]
+    assert r["methods"]["none"]["errors"] == 0
+
+
+def test_speculation_items():
+    assert speculation("prompt_lookup") == {"method": "prompt_lookup"}
+    assert speculation("early_exit:exit_layer=2:num_speculative_tokens=4") == {
+        "method": "early_exit", "exit_layer": 2, "num_speculative_tokens": 4}
+    assert speculation("prompt_lookup:match=first") == {"method": "prompt_lookup",
+                                                        "match": "first"}
+    with pytest.raises(ValueError):
+        speculation("early_exit:exit_layer")
+
+
+@given(st.lists(st.floats(0, 1e3, allow_nan=False), min_size=1, max_size=200))
+def test_percentiles_are_ordered(xs):
+    p = percentiles(xs)
+    assert min(xs) <= p["p50"] <= p["p90"] <= p["p99"] <= max(xs)
+    assert p["n"] == len(xs)

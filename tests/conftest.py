@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny random models for speed, and the committed checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models
+from micro.model import Micro, MicroConfig
+
+TINY = MicroConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=64, max_positions=128)
+
+
+def tiny_model(seed: int = 0, dtype=torch.float64, config: MicroConfig = TINY) -> Micro:
+    """A random micro-shaped model; norms perturbed so every weight matters."""
+    torch.manual_seed(seed)
+    m = Micro(config)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            else:
+                p.mul_(8.0)  # sharper distributions: drafts get accepted and rejected
+    return m.to(dtype).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Micro:
+    return tiny_model()
+
+
+def have_checkpoints() -> bool:
+    return set(available_models(CHECKPOINT_DIR)) == set(MODEL_NAMES)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir() -> Path:
+    if not have_checkpoints():
+        pytest.fail("the trained checkpoints are missing from micro/checkpoints")
+    return CHECKPOINT_DIR

@@ -1,0 +1,99 @@
+"""The second invariant: with sampling on, every drafter leaves the target's distribution
+exactly as it is (Leviathan/Chen rejection rule, the sibling rule for trees)."""
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from drafters.base import Draft
+from micro.model import MicroConfig
+from server.verify import SamplingParams, target_probs
+from tests.conftest import tiny_model
+from tests.engine.helpers import REGISTRY, generate
+
+SMALL = MicroConfig(vocab_size=8, dim=16, n_layers=4, n_heads=2, ffn_dim=32, max_positions=64)
+MODEL = tiny_model(seed=3, config=SMALL)
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+N = 1200
+
+
+class FixedTree:
+    """Proposes the same 6-node tree every step (two branches, a sub-branch)."""
+
+    name = "fixed_tree"
+
+    def propose(self, ctx, budget):
+        return Draft(torch.tensor([3, 1, 4, 2, 0, 5])[:budget],
+                     torch.tensor([-1, -1, 0, 0, 1, 2])[:budget])
+
+    def observe(self, ctx, accepted):
+        pass
+
+
+@dataclass
+class RandomChainWithQ:
+    """Samples a 3-token chain from a fixed, wrong distribution q and sends q along."""
+
+    name = "random_chain_q"
+
+    def propose(self, ctx, budget):
+        q = torch.tensor([0.3, 0.05, 0.05, 0.3, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)
+        toks = torch.multinomial(q, min(3, budget), replacement=True, generator=ctx.generator)
+        return Draft(toks, None, q.expand(len(toks), -1))
+
+    def observe(self, ctx, accepted):
+        pass
+
+
+def exact_joint(sp: SamplingParams) -> np.ndarray:
+    """P(first two generated tokens = a, b) under the target alone."""
+    with torch.no_grad():
+        p1 = target_probs(MODEL(torch.tensor([PROMPT]))[0, -1], sp)
+        joint = np.zeros((8, 8))
+        for a in range(8):
+            p2 = target_probs(MODEL(torch.tensor([PROMPT + [a]]))[0, -1], sp)
+            joint[a] = (p1[a] * p2).numpy()
+    return joint
+
+
+def sample_joint(sp_args: dict, method=None, params=None, drafter_cls=None) -> np.ndarray:
+    counts = np.zeros((8, 8))
+    shared: dict = {}
+    for i in range(N):
+        sp = SamplingParams(seed=i, **sp_args)
+        drafter = drafter_cls() if drafter_cls else None
+        # 4 tokens so a step's draft can be 3 deep; the first two are compared
+        out, _, _ = generate(MODEL, PROMPT, 4, method or "none", params, sp, shared=shared,
+                             drafter=drafter)
+        counts[out[0], out[1]] += 1
+    return counts
+
+
+CASES = [("none", {}, None), ("prompt_lookup", {}, None), ("early_exit", {"exit_layer": 1}, None),
+         ("early_exit", {"exit_layer": 3}, None), ("suffix", {"min_token_prob": 0.01}, None),
+         ("fixed_tree", None, FixedTree), ("random_chain_q", None, RandomChainWithQ)]
+T1 = {"temperature": 1.0}
+FILTERED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}
+PARAMS = [(*c, T1) for c in CASES] + [(*c, FILTERED) for c in CASES if c[0] in
+                                       ("early_exit", "fixed_tree", "random_chain_q")]
+
+
+def test_every_registered_method_is_covered():
+    assert {c[0] for c in CASES} >= set(REGISTRY.names())
+
+
+@pytest.mark.parametrize("method,params,cls,sp_args", PARAMS,
+                         ids=[f"{c[0]}{c[1] or ''}-{c[3]}" for c in PARAMS])
+def test_sampled_tokens_follow_the_target_distribution(method, params, cls, sp_args):
+    expected = exact_joint(SamplingParams(**sp_args)).flatten() * N
+    observed = sample_joint(sp_args, None if cls else method, params, cls).flatten()
+    assert observed[expected == 0].sum() == 0  # nothing outside the support (top-k/top-p)
+    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
+    obs = np.append(observed[keep], observed[~keep].sum())
+    exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-3

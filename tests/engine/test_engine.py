@@ -1,0 +1,242 @@
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from drafters.base import Draft
+from drafters.registry import Registry, SpeculationError
+from server.engine import Engine, GenerationRequest, QueueFull
+from server.stats import SpecStats
+from server.verify import SamplingParams, accept, target_probs
+from tests.conftest import TINY, tiny_model
+from tests.engine.helpers import generate
+
+MODEL = tiny_model()
+
+
+class Exploding:
+    name = "exploding"
+
+    def __init__(self, every: int = 2):
+        self.calls, self.every = 0, every
+
+    def propose(self, ctx, budget):
+        self.calls += 1
+        if self.calls % self.every == 0:
+            raise RuntimeError("boom")
+        return Draft(torch.tensor([1, 2, 3])[:budget])
+
+    def observe(self, ctx, accepted):
+        pass
+
+
+def test_a_drafter_that_raises_is_contained():
+    want, _, _ = generate(MODEL, [5, 6, 7], 20)
+    drafter = Exploding()
+    got, seq, _ = generate(MODEL, [5, 6, 7], 20, drafter=drafter)
+    assert got == want
+    assert seq.stats.drafter_errors == drafter.calls // 2 > 0 and seq.finish_reason == "length"
+
+
+def test_figures_follow_the_definitions():
+    prompt = [1, 2, 3, 4] * 6
+    out, seq, steps = generate(MODEL, prompt, 30, "prompt_lookup")
+    s = seq.stats
+    assert s.target_passes == len(steps)
+    assert s.accepted == sum(r.n_accepted for r in steps)
+    assert s.drafted == sum(len(r.draft) for r in steps)
+    assert s.accepted + s.target_passes == len(out)  # each pass emits accepted + 1 bonus
+    assert sum(s.accepted_by_position) == s.accepted
+    assert s.tokens_per_pass == pytest.approx((s.accepted + s.target_passes) / s.target_passes)
+    assert s.estimated_speedup == pytest.approx(s.tokens_per_pass)  # prompt lookup costs 0
+    _, plain, _ = generate(MODEL, prompt, 30)
+    assert plain.stats.tokens_per_pass == 1.0 and plain.stats.acceptance_rate is None
+    assert plain.stats.to_dict()["drafted"] == 0
+
+
+def test_early_exit_cost_is_counted():
+    _, seq, _ = generate(MODEL, [1, 2, 3], 10, "early_exit", {"exit_layer": 2, "num_speculative_tokens": 2})
+    s = seq.stats
+    assert s.draft_cost > 0
+    assert s.estimated_speedup == pytest.approx((s.accepted + s.target_passes) / (s.target_passes + s.draft_cost))
+
+
+def test_stops_at_end_of_text_without_emitting_it():
+    want, _, _ = generate(MODEL, [9, 8, 7], 30)
+    stop = want[5]
+    got, seq, _ = generate(MODEL, [9, 8, 7], 30, "prompt_lookup", stop_ids=frozenset({stop}))
+    assert got == want[:want.index(stop)] and seq.finish_reason == "stop"
+
+
+def test_accept_rules_by_hand():
+    logits = torch.full((4, TINY.vocab_size), -10.0, dtype=torch.float64)
+    logits[0, 5] = logits[1, 6] = logits[2, 7] = logits[3, 9] = 10.0
+    greedy = SamplingParams()
+    assert accept(logits, Draft(torch.tensor([5, 6, 8])), greedy) == ([0, 1], 7)
+    assert accept(logits, Draft(torch.tensor([4, 6, 7])), greedy) == ([], 5)
+    assert accept(logits[:1], Draft.empty(), greedy) == ([], 5)
+    # a tree: node 1 (token 5) is the right child of the root, node 2 (token 7) its child;
+    # node i's prediction is logits row 1 + i, so after node 2 the bonus is row 3's 9
+    tree = Draft(torch.tensor([4, 5, 7]), torch.tensor([-1, -1, 1]))
+    assert accept(logits, tree, greedy) == ([1, 2], 9)
+    wrong_child = Draft(torch.tensor([4, 5, 6]), torch.tensor([-1, -1, 1]))
+    assert accept(logits, wrong_child, greedy) == ([1], 7)
+
+
+def test_top_k_and_top_p_keep_the_right_support():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert p.tolist() == pytest.approx([0.625, 0.375, 0, 0])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert p[3] == 0 and p.sum() == pytest.approx(1.0)
+
+
+def test_registry_errors_list_what_exists():
+    reg = Registry()
+    with pytest.raises(SpeculationError, match="available: .*prompt_lookup"):
+        reg.parse("medusa_v9")
+    with pytest.raises(SpeculationError, match="it takes: .*ngram_max"):
+        reg.parse({"method": "ngram", "ngram_maxx": 3})
+    with pytest.raises(SpeculationError, match="must be int"):
+        reg.parse({"method": "ngram", "ngram_max": "3"})
+    with pytest.raises(SpeculationError, match="exit_layer"):
+        reg.parse({"method": "early_exit", "exit_layer": 4})
+    assert reg.parse("ngram")[0] == "prompt_lookup"
+    assert reg.parse(None, default="suffix")[0] == "suffix"
+
+
+def test_a_plugin_from_an_installed_package_is_served(tmp_path, monkeypatch):
+    """A tiny installed distribution (code + dist-info with an entry point)."""
+    pkg = tmp_path / "nodraft_echo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+        import torch
+        from drafters.base import Draft
+
+        class Echo:
+            """Proposes the prompt's first tokens, whatever the context."""
+            name = "echo"
+
+            @dataclass(frozen=True)
+            class Params:
+                length: int = 2
+
+            def __init__(self, params, env):
+                self.params = params
+
+            def propose(self, ctx, budget):
+                return Draft(torch.tensor(ctx.tokens[: min(self.params.length, budget)]))
+
+            def observe(self, ctx, accepted):
+                pass
+    '''))
+    info = tmp_path / "nodraft_echo-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nodraft-echo\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[nodraft.drafters]\necho = nodraft_echo:Echo\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg = Registry()
+    assert "echo" in reg.names()
+    method, params = reg.parse({"method": "echo", "length": 3})
+    assert params.length == 3
+    engine = Engine({"micro": MODEL}, reg, eot_id=None, max_running=1, max_waiting=0)
+    engine.caches["micro"].k = engine.caches["micro"].k.double()
+    engine.caches["micro"].v = engine.caches["micro"].v.double()
+    engine.start()
+    try:
+        events = run_to_end(engine, GenerationRequest("micro", [3, 4, 3, 4], 12, method=method, params=params))
+        tokens = [t for e in events if e.kind == "step" for t in e.step.tokens]
+        assert tokens == generate(MODEL, [3, 4, 3, 4], 12)[0]
+        assert events[-1].stats.method == "echo" and events[-1].stats.drafted > 0
+    finally:
+        engine.stop()
+
+
+def run_to_end(engine, request, timeout=30.0):
+    events, done = [], threading.Event()
+
+    def cb(ev):
+        events.append(ev)
+        if ev.kind != "step":
+            done.set()
+
+    engine.submit(request, cb)
+    assert done.wait(timeout)
+    return events
+
+
+def float64_engine(**kw) -> Engine:
+    engine = Engine({"micro": MODEL}, Registry(), eot_id=None, **kw)
+    for c in engine.caches.values():
+        c.k, c.v = c.k.double(), c.v.double()
+    return engine
+
+
+def test_engine_serves_concurrent_requests_and_bounds_the_queue():
+    engine = float64_engine(max_running=2, max_waiting=1)
+    engine.start()
+    try:
+        reg = Registry()
+        results = []
+        lock = threading.Lock()
+        dones = [threading.Event() for _ in range(3)]
+
+        def cb_for(i):
+            def cb(ev):
+                with lock:
+                    results.append((i, ev))
+                if ev.kind != "step":
+                    dones[i].set()
+            return cb
+
+        m, p = reg.parse("suffix")
+        for i in range(3):
+            engine.submit(GenerationRequest("micro", [i + 1] * 5, 40, method=m, params=p), cb_for(i))
+        with pytest.raises(QueueFull):
+            engine.submit(GenerationRequest("micro", [1], 5), lambda ev: None)
+        assert all(d.wait(30) for d in dones)
+        for i in range(3):
+            toks = [t for j, e in results if j == i and e.kind == "step" for t in e.step.tokens]
+            assert toks == generate(MODEL, [i + 1] * 5, 40)[0]
+        assert engine.load == (0, 0) and sorted(engine.free_slots["micro"]) == [0, 1]
+    finally:
+        engine.stop()
+
+
+def test_cancel_frees_the_slot_before_the_next_step():
+    engine = float64_engine(max_running=1, max_waiting=4)
+    engine.start()
+    try:
+        first_step, finished = threading.Event(), threading.Event()
+        reasons = []
+
+        def cb(ev):
+            if ev.kind == "step":
+                first_step.set()
+            else:
+                reasons.append(ev.finish_reason)
+                finished.set()
+
+        h = engine.submit(GenerationRequest("micro", [1, 2], 100_000 // 1000), cb)
+        assert first_step.wait(10)
+        engine.cancel(h)
+        assert finished.wait(10)
+        assert reasons in (["cancelled"], ["length"])
+        deadline = time.time() + 5
+        while engine.load != (0, 0) and time.time() < deadline:
+            time.sleep(0.01)
+        assert engine.free_slots["micro"] == [0]
+    finally:
+        engine.stop()
+
+
+def test_spec_stats_merge():
+    a, b = SpecStats("x"), SpecStats("x")
+    a.record(3, 2, 0.5)
+    b.record(4, 3, 0.0)
+    a.merge(b)
+    assert (a.drafted, a.accepted, a.target_passes, a.accepted_by_position) == (7, 5, 2, [2, 2, 1])

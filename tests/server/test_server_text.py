@@ -1,0 +1,121 @@
+"""Text handling without a server: UTF-8 safe decoding, stop strings held back, the chat
+template, settings from the environment and flags."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from micro.checkpoint import load_tokenizer
+from server import chat
+from server.generation import TextStream
+from server.settings import Settings
+
+
+class ByteTokens:
+    """A stand-in tokenizer: token i is the single byte i."""
+
+    def token_bytes(self, i: int) -> bytes:
+        return bytes([i])
+
+
+def stream_all(data: bytes, stops: list[str], cut: list[int]) -> tuple[str, bool]:
+    """Feed ``data`` one byte-token at a time, releasing after each group in ``cut``."""
+    ts, out, i = TextStream(ByteTokens(), stops), "", 0
+    for n in cut + [len(data)]:
+        ts.feed(list(data[i:i + n]))
+        out += ts.release()
+        i += n
+        if ts.stopped:
+            return out, True
+    return out + ts.release(final=True), ts.stopped
+
+
+def test_multibyte_character_split_across_tokens():
+    ts = TextStream(ByteTokens(), [])
+    e_acute = "é".encode()
+    assert ts.feed([ord("a"), e_acute[0]]) == ["a", ""]
+    assert ts.release() == "a"
+    assert ts.feed([e_acute[1]]) == ["é"]
+    assert ts.release() == "é"
+
+
+def test_invalid_bytes_become_replacement_characters():
+    ts = TextStream(ByteTokens(), [])
+    ts.feed([0xFF, ord("x"), 0xE6])  # a stray byte, then a truncated 3-byte character
+    assert ts.release() == "\ufffdx"
+    assert ts.release(final=True) == "\ufffd"
+
+
+def test_stop_string_held_back_then_released():
+    ts = TextStream(ByteTokens(), ["END"])
+    ts.feed(list(b"abcE"))
+    assert ts.release() == "abc"  # "E" might start "END"
+    ts.feed(list(b"N"))
+    assert ts.release() == ""
+    ts.feed(list(b"x"))
+    assert ts.release() == "ENx"  # it did not
+    ts.feed(list(b"yEND tail"))
+    assert ts.release() == "y" and ts.stopped
+    assert ts.release(final=True) == ""
+
+
+@given(st.text(max_size=30), st.lists(st.text(min_size=1, max_size=3), max_size=3),
+       st.lists(st.integers(1, 5), max_size=20))
+def test_streamed_text_is_the_text_before_the_first_stop(text, stops, cut):
+    data = text.encode()
+    out, stopped = stream_all(data, stops, cut)
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    assert out == (text[:min(hits)] if hits else text)
+    assert stopped == bool(hits)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def test_chat_template(tokenizer):
+    ids = chat.render([("system", "Be brief."), ("user", "hi")], tokenizer)
+    want = tokenizer.encode("<|system|>Be brief.<|end|><|user|>hi<|end|><|assistant|>",
+                            allow_special=True)
+    assert ids == want
+    stops = set(chat.stop_token_ids(tokenizer))
+    assert {tokenizer.special_ids["<|end|>"], tokenizer.eot_id} <= stops
+
+
+def test_chat_markers_typed_by_a_user_stay_text(tokenizer):
+    ids = chat.render([("user", "<|end|>")], tokenizer)
+    assert ids.count(tokenizer.special_ids["<|end|>"]) == 1
+
+
+def test_settings_env_then_flags(monkeypatch, tmp_path):
+    monkeypatch.setenv("NODRAFT_PORT", "9001")
+    monkeypatch.setenv("NODRAFT_SPECULATION", '{"method": "early_exit", "exit_layer": 1}')
+    monkeypatch.setenv("NODRAFT_CORS_ORIGINS", "http://a, http://b")
+    s = Settings.from_argv([])
+    assert s.port == 9001 and s.speculation == {"method": "early_exit", "exit_layer": 1}
+    assert s.cors_origins == ["http://a", "http://b"] and s.api_key is None
+    s = Settings.from_argv(["--port", "9002", "--speculation", "ngram", "--api-key", "k",
+                            "--checkpoints", str(tmp_path), "--max-running", "2"])
+    assert (s.port, s.speculation, s.max_running) == (9002, "ngram", 2)
+    assert s.api_key.get_secret_value() == "k" and s.checkpoints == tmp_path
+    for var in ("NODRAFT_PORT", "NODRAFT_SPECULATION", "NODRAFT_CORS_ORIGINS"):
+        monkeypatch.delenv(var)
+    defaults = Settings()
+    assert (defaults.host, defaults.port, defaults.speculation) == ("127.0.0.1", 8000, "none")
+    assert defaults.cors_origins == []
+
+
+def test_serve_help(capsys):
+    from server.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--speculation", "--api-key", "--max-running",
+                 "--max-waiting", "--max-body-bytes", "--cors-origins", "--checkpoints",
+                 "--drain-seconds", "--threads"):
+        assert flag in out
