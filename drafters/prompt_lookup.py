@@ -2,10 +2,11 @@
 earlier in the context (Saxena, 2023). Draft cost 0: it runs no model.
 
 For n = ngram_max down to ngram_min, find an earlier occurrence of the last n tokens and
-propose up to ``num_speculative_tokens`` tokens that followed it. Worked example, with
-ngram_max = 3 and tokens ``[a b c d a b]`` (current token ``b``, index 5): the 3-gram
-``[d a b]`` never occurred before; the 2-gram ``[a b]`` ends at index 1, so the draft is
-``tokens[2:2 + k] = [c d a b]`` cut to k.
+propose the tokens that followed it: at most ``2**n`` of them (a longer match is better
+evidence; a lone repeated token is weak), and never more than ``num_speculative_tokens``.
+Worked example, with ngram_max = 3 and tokens ``[a b c d a b]`` (current token ``b``,
+index 5): the 3-gram ``[d a b]`` never occurred before; the 2-gram ``[a b]`` ends at
+index 1, so the draft is ``tokens[2:2 + 4] = [c d a b]``.
 
 Matches are found in O(1) from a per-sequence index of every n-gram's end positions,
 updated as tokens arrive. Defaults chosen by measurement (``benchmarks/prompt_lookup.py``,
@@ -62,11 +63,11 @@ class PromptLookup:
 
     def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int) -> list[int]:
         p = self.params
-        k = min(p.num_speculative_tokens, budget)
         for n in range(min(p.ngram_max, len(tokens)), p.ngram_min - 1, -1):
             ends = index.get(tuple(tokens[-n:]))
             if ends:
                 end = ends[-1] if p.match == "recent" else ends[0]
+                k = min(p.num_speculative_tokens, budget, 2 ** n)
                 return tokens[end + 1:end + 1 + k]
         return []
 

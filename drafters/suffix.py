@@ -8,7 +8,8 @@ Two suffix structures, both depth-limited suffix tries (every substring of up to
   bounded to ``max_cached_responses`` (the oldest response leaves first, its counts
   subtracted).
 
-To draft, match the longest suffix of the context (up to ``max_depth - 1`` tokens) in a
+To draft, match the longest suffix of the context (up to ``max_depth // 2`` tokens, so a
+match leaves at least as many levels of the depth-limited trie below it to draft from) in a
 trie, then grow a *tree* best-first from the matched node: a child's estimated probability
 is its parent's times count(child) / count(parent), nodes are added while that stays at or
 above ``min_token_prob``, and the tree holds at most ``max_spec_factor * match_length``
@@ -121,7 +122,7 @@ class SuffixDecoding:
 
     @dataclass(frozen=True)
     class Params:
-        max_depth: int = 24
+        max_depth: int = 32
         max_spec_factor: float = 1.0
         min_token_prob: float = 0.1
         max_cached_responses: int = 256
@@ -161,7 +162,7 @@ class SuffixDecoding:
         best = ([], [], 0.0)
         tail = ctx.tokens
         for trie in (self._local(ctx), self.global_state["trie"]):
-            node, m = match(trie, tail, p.max_depth - 1)
+            node, m = match(trie, tail, p.max_depth // 2)
             if node is None:
                 continue
             limit = min(budget, p.num_speculative_tokens, max(1, int(p.max_spec_factor * m)))
