@@ -39,10 +39,33 @@ from micro.corpus import compare_manifest, split_text
 from micro.data import token_stream
 from micro.model import KVCache, Micro
 from micro.tokenizer import Tokenizer
-from micro.train import evaluate_loss
 from micro.variants import VARIANTS, make_variant
 
 COPY_LEN = 64
+
+
+@torch.no_grad()
+def evaluate_loss(model: Micro, stream, T: int = 512, max_tokens: int = 200_000,
+                  exit_layers: tuple[int, ...] | None = None) -> dict[int, float]:
+    """Mean next-token loss (nats) over consecutive non-overlapping windows of ``stream``,
+    for the full model and each exit layer asked for (the logit lens)."""
+    model.eval()
+    ids = torch.as_tensor(stream[: max_tokens + 1], dtype=torch.long)
+    n = (len(ids) - 1) // T
+    layers = exit_layers or (model.config.n_layers,)
+    totals = {k: 0.0 for k in layers}
+    count = 0
+    for b in range(0, n, 8):
+        rows = min(8, n - b)
+        x = ids[b * T:(b + rows) * T + 1]
+        inp, tgt = x[:-1].view(rows, T), x[1:].view(rows, T)
+        hidden: list[torch.Tensor] = []
+        model(inp, hidden=hidden)
+        for k in layers:
+            logits = model.head(hidden[k])
+            totals[k] += F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").item()
+        count += tgt.numel()
+    return {k: v / count for k, v in totals.items()}
 
 
 def bits_per_byte(loss_nats: float, n_tokens: int, n_bytes: int) -> float:
@@ -130,18 +153,19 @@ def copy_eval(model: Micro, tok: Tokenizer, stream: np.ndarray, count: int = 64,
 
 @torch.inference_mode()
 def decode_tokens_per_s(model: Micro, prompt: list[int], n_tokens: int = 128, repeats: int = 3) -> float:
-    """Plain greedy decoding with a KV cache, one token per forward, as the engine does."""
-    from drafters.none import NoDraft  # the engine's own loop, without its thread
-    from server.sequence import Sequence
-
+    """Plain greedy decoding with a KV cache, one token per forward (prefill excluded)."""
     rates = []
     for _ in range(repeats):
         cache = KVCache(model.config, 1)
-        seq = Sequence(model, cache, 0, prompt, NoDraft(NoDraft.Params(), None), n_tokens)
+        model(torch.tensor([prompt[:-1]]), cache=cache)
+        cache.advance(0, len(prompt) - 1)
+        token = prompt[-1]
         t0 = time.perf_counter()
-        while not seq.done:
-            seq.step()
-        rates.append(seq.generated / (time.perf_counter() - t0))
+        for _ in range(n_tokens):
+            logits = model(torch.tensor([[token]]), cache=cache)
+            cache.advance(0, 1)
+            token = int(logits[0, -1].argmax())
+        rates.append(n_tokens / (time.perf_counter() - t0))
     return statistics.median(rates)
 
 

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from micro.checkpoint import CHECKPOINT_DIR, load_tokenizer, save_model, tokenizer_path
 from micro.corpus import split_documents, write_manifest
 from micro.data import RowSampler, token_stream
+from micro.eval import copy_eval, evaluate_loss
 from micro.model import Micro, MicroConfig
 from micro.tokenizer import train_tokenizer
 
@@ -47,36 +48,6 @@ def lr_at(progress: float, peak: float, warmup: float = 0.02, floor: float = 0.1
         return peak * progress / warmup
     p = min(1.0, (progress - warmup) / (1 - warmup))
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * p)))
-
-
-@torch.no_grad()
-def evaluate_loss(model: Micro, stream, T: int = 512, max_tokens: int = 200_000,
-                  exit_layers: tuple[int, ...] | None = None) -> dict[int, float]:
-    """Mean next-token loss (nats) over consecutive non-overlapping windows of ``stream``,
-    for the full model and each exit layer asked for (the logit lens)."""
-    model.eval()
-    ids = torch.as_tensor(stream[: max_tokens + 1], dtype=torch.long)
-    n = (len(ids) - 1) // T
-    layers = exit_layers or (model.config.n_layers,)
-    totals = {k: 0.0 for k in layers}
-    count = 0
-    for b in range(0, n, 8):
-        rows = min(8, n - b)
-        x = ids[b * T:(b + rows) * T + 1]
-        inp, tgt = x[:-1].view(rows, T), x[1:].view(rows, T)
-        hidden: list[torch.Tensor] = []
-        model(inp, hidden=hidden)
-        for k in layers:
-            logits = model.head(hidden[k])
-            totals[k] += F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="sum").item()
-        count += tgt.numel()
-    return {k: v / count for k, v in totals.items()}
-
-
-def copy_eval(*args, **kwargs):  # micro.eval imports this module: import it late
-    from micro.eval import copy_eval as _copy_eval
-
-    return _copy_eval(*args, **kwargs)
 
 
 def train(args: argparse.Namespace, command: str = "nodraft train micro",
