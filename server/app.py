@@ -6,7 +6,8 @@
 
 The lifespan loads the checkpoints in ``--checkpoints`` (micro and micro-layerskip), the
 tokenizer and the drafter registry into a ``Service`` on ``app.state.service``, and starts
-the engine thread, which alone runs the models. Around the routes (``server.api``):
+the engine thread, which alone runs the models. ``/`` serves the playground page (plain
+HTML/JS/CSS from ``server/static``, nothing from outside). Around the routes (``server.api``):
 
 - ``--api-key``: ``/v1/*`` needs ``Authorization: Bearer KEY`` (else 401); ``/health``,
   ``/ready`` and ``/metrics`` stay open for probes and Prometheus.
@@ -33,6 +34,8 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -50,6 +53,7 @@ log = logging.getLogger("nodraft.server")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after draining: for responses still being written
+STATIC = Path(__file__).parent / "static"  # the playground page (issue 9)
 
 
 class Service:
@@ -213,6 +217,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
                   "speculative-decoding drafter chosen per request (`speculation`).")
     app.state.service = service
     app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.add_api_route("/", lambda: FileResponse(STATIC / "index.html"), include_in_schema=False)
     for exc in (APIError, RequestValidationError, HTTPException, SpeculationError, QueueFull,
                 EngineStopped, Exception):
         app.add_exception_handler(exc, handle_exception)

@@ -201,8 +201,12 @@ def test_bounded_admission(live, http):
     """max_running + max_waiting sequences fill the server: the next request gets 429 with
     Retry-After; when they go, requests are served again."""
     n = MAX_RUNNING + MAX_WAITING
+    # an earlier test's cancelled sequence may still hold a slot for a moment
+    assert wait_for(lambda: metric(live.url, "nodraft_requests_running") == 0
+                    and metric(live.url, "nodraft_requests_waiting") == 0, timeout=10)
     with http.stream("POST", "/v1/completions",
                      json=body(stream=True, n=n, max_tokens=500, speculation=SLOW)) as r:
+        assert r.status_code == 200
         next(r.iter_lines())
         full = http.post("/v1/completions", json=body())
         assert full.status_code == 429
