@@ -77,7 +77,7 @@ def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str
     fresh too, so no run is helped by an earlier identical response."""
     reg = Registry()
     decode(model, prompt, n_tokens, method, params, reg, model_name=model_name)  # warm-up
-    base, mine, ratios = [], [], []
+    base, ratios = [], []
     run = None
     for _ in range(repeats):
         b = decode(model, prompt, n_tokens, "none", None, reg, model_name=model_name)
@@ -85,7 +85,6 @@ def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str
         if run.tokens != b.tokens:
             raise AssertionError(f"{method} changed the greedy output")
         base.append(b.seconds)
-        mine.append(run.seconds)
         ratios.append(b.seconds / run.seconds)
     return statistics.median(ratios), run, statistics.median(base)
 
