@@ -171,7 +171,8 @@ def decode_tokens_per_s(model: Micro, prompt: list[int], n_tokens: int = 128, re
 
 def evaluate(directory=CHECKPOINT_DIR, max_tokens: int | None = None,
              variants: tuple[str, ...] = VARIANTS) -> dict:
-    tok = load_tokenizer(directory / "tokenizer.json")
+    local = directory / "tokenizer.json"
+    tok = load_tokenizer(local if local.exists() else None)
     heldout = token_stream(tok, "heldout")
     text = split_text("heldout").encode()
     n_bytes = len(text)
@@ -182,7 +183,9 @@ def evaluate(directory=CHECKPOINT_DIR, max_tokens: int | None = None,
     prompt = heldout[1000:1064].tolist()
     out = {"checkpoints": [], "heldout": {"bytes": len(text), "tokens": int(len(heldout)),
                                           "sha256": hashlib.sha256(text).hexdigest()}}
-    for name in available_models(directory):
+    names = available_models(directory)  # micro, micro-layerskip, then any other checkpoint
+    names += sorted(p.stem for p in directory.glob("*.safetensors") if p.stem not in names)
+    for name in names:
         model = load_model(name, directory)
         L = model.config.n_layers
         entry = {"name": name, "params": model.num_params(), "layers": L, "variants": []}
