@@ -12,21 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
-from server_testing import LiveServer, serving_checkpoints  # noqa: E402
-
-from server.settings import Settings  # noqa: E402
+from server_testing import live, serve_checkpoints  # noqa: E402,F401 - fixtures
 
 
-@pytest.fixture(scope="session")
-def serve_checkpoints(tmp_path_factory) -> Path:
-    return serving_checkpoints(tmp_path_factory.mktemp("checkpoints"))
-
-
-@pytest.fixture(scope="session")
-def live(serve_checkpoints) -> LiveServer:
-    with LiveServer(Settings(checkpoints=serve_checkpoints, threads=1)) as server:
-        yield server

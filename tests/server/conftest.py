@@ -6,19 +6,12 @@ pair of the same shape is written to a temporary folder.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 from server_testing import (MAX_RUNNING, MAX_WAITING, LiveServer, registry_with_slow,
-                            serving_checkpoints)
+                            serve_checkpoints)  # noqa: F401 - a fixture
 
 from server.settings import Settings
-
-
-@pytest.fixture(scope="session")
-def serve_checkpoints(tmp_path_factory) -> Path:
-    return serving_checkpoints(tmp_path_factory.mktemp("checkpoints"))
 
 
 @pytest.fixture(scope="session")

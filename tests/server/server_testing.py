@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
@@ -160,3 +161,16 @@ def sse_payloads(lines) -> list:
         pending = data if data == "[DONE]" else json.loads(data)
     assert pending is None, "the stream ended inside an event"
     return payloads
+
+
+# -- fixtures shared by the test folders that need a live server -----------------------------
+@pytest.fixture(scope="session")
+def serve_checkpoints(tmp_path_factory) -> Path:
+    return serving_checkpoints(tmp_path_factory.mktemp("checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def live(serve_checkpoints) -> LiveServer:
+    """A server with default limits and one engine thread (the server tests override it)."""
+    with LiveServer(Settings(checkpoints=serve_checkpoints, threads=1)) as server:
+        yield server
