@@ -47,9 +47,22 @@ class Draft:
     exit_layer: int = 0
     exit_hidden: Tensor | None = None  # (n, dim)
     method: str | None = None  # set by ``auto``: the drafter that actually proposed
+    # Extra rows run in the same target pass but verified by no one (lookahead decoding's
+    # Jacobi window): they follow the draft nodes in the block, at positions n + aux_pos
+    # (n = the current token's position, so offsets start at 1). aux_mask (m, 1+m) bool
+    # says which of [current, *aux] each aux row attends to, besides the committed
+    # context; aux rows never see draft nodes and draft nodes never see them. Their logits
+    # reach the drafter as ``ctx.aux_logits`` before ``observe``.
+    aux_tokens: Tensor | None = None  # (m,)
+    aux_pos: Tensor | None = None  # (m,) int64 offsets >= 1
+    aux_mask: Tensor | None = None  # (m, 1+m) bool
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def n_aux(self) -> int:
+        return 0 if self.aux_tokens is None else int(self.aux_tokens.numel())
 
     @staticmethod
     def empty() -> "Draft":
@@ -81,6 +94,7 @@ class DraftContext:
     state: dict = field(default_factory=dict)  # per-sequence scratch for the drafter
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy)
     generator: torch.Generator | None = None  # the request's random stream (sampled drafts)
+    aux_logits: Tensor | None = None  # (m, V) the last pass's logits of Draft.aux_tokens
 
     @property
     def n_cached(self) -> int:

@@ -15,6 +15,9 @@ from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any, get_type_hints
 
+from pathlib import Path
+
+from micro.checkpoint import CHECKPOINT_DIR
 from micro.model import Micro
 
 BUILTIN = {
@@ -39,6 +42,9 @@ class DrafterEnv:
     model_name: str
     model: Micro
     shared: dict = field(default_factory=dict)
+    # where the target's checkpoint lives; trained drafters (Medusa, EAGLE) find their
+    # weights beside it as ``<model_name>-<drafter>.safetensors``
+    checkpoint_dir: Path = CHECKPOINT_DIR
 
 
 def _load(target: str) -> type:

@@ -68,8 +68,18 @@ def train(args: argparse.Namespace, command: str = "nodraft train micro",
         train_tokenizer([d.text for d in split_documents("train")]).save(tokenizer_path())
     tok = load_tokenizer()
     train_ids, val_ids = token_stream(tok, "train"), token_stream(tok, "validation")
-    config = config or MicroConfig(vocab_size=tok.vocab_size)
-    model = Micro(config)
+    parent = None
+    if args.init:  # continue training a checkpoint: its weights and its config
+        from micro.checkpoint import load_model, load_record
+
+        init = Path(args.init)  # a committed checkpoint's name, or a .safetensors path
+        where, stem = (init.parent, init.stem) if init.suffix == ".safetensors" else (CHECKPOINT_DIR, args.init)
+        model = load_model(stem, where).train().requires_grad_(True)
+        config = model.config
+        parent = load_record(stem, where)
+    else:
+        config = config or MicroConfig(vocab_size=tok.vocab_size)
+        model = Micro(config)
     say(f"command: {command}")
     say(f"params {model.num_params()} train tokens {len(train_ids)} val tokens {len(val_ids)}")
 
@@ -156,6 +166,11 @@ def train(args: argparse.Namespace, command: str = "nodraft train micro",
         "val_loss": {str(k): round(v, 4) for k, v in val.items()},
         "history": history,
     }
+    if parent is not None:  # the chain of runs that made these weights, oldest first
+        record["init"] = args.init
+        record["parent"] = parent
+        record["total_minutes"] = round(minutes + parent.get("total_minutes", parent["minutes"]), 1)
+        record["total_steps"] = step + parent.get("total_steps", parent["steps"])
     say(json.dumps(record))
     save_model(model, name, record, Path(args.checkpoints))
     write_manifest(Path(args.checkpoints) / "manifest.json")
@@ -167,6 +182,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=40.0, help="wall-clock budget")
     p.add_argument("--steps", type=int, default=None, help="a step budget instead of minutes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, metavar="NAME",
+                   help="continue training this checkpoint (name or .safetensors path) with a new "
+                        "warm-up and cosine schedule; use a new --seed for new rows")
     p.add_argument("--name", default=None)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=512)

@@ -16,6 +16,7 @@ decoding makes exactly one target pass per token.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -77,12 +78,15 @@ class Sequence:
         """Cache every prompt token but the last (which becomes the current token)."""
         self.cache.reset(self.slot)
         body = self.prompt[:-1]
+        states = []
         for s in range(0, len(body), PREFILL_CHUNK):
             chunk = torch.tensor([body[s:s + PREFILL_CHUNK]])
             hidden: list[Tensor] = []
             self.model(chunk, cache=self.cache, slot=self.slot, start=s, hidden=hidden)
             self.cache.advance(self.slot, chunk.shape[1])
-            self.ctx.last_hidden = hidden[-1][0]
+            states.append(hidden[-1][0])
+        # after prefill: every prompt token's but the last (EAGLE builds its cache from them)
+        self.ctx.last_hidden = torch.cat(states) if states else None
         self.prefilled = True
 
     # -- one step -------------------------------------------------------------------------
@@ -103,18 +107,44 @@ class Sequence:
             return Draft.empty()
         if len(draft) > budget:  # parents precede children: any prefix is a valid tree
             draft = _truncate(draft, budget)
+        room = self.cache.max_len - len(self.tokens) - len(draft)  # rows left for aux
+        if draft.n_aux and (draft.n_aux > room or draft.exit_layer):
+            draft = dataclasses.replace(draft, aux_tokens=None, aux_pos=None, aux_mask=None)
         return draft
+
+    def block(self, draft: Draft) -> tuple[Tensor, Tensor, Tensor | None]:
+        """The verification block [current, *draft, *aux]: ids (T,), positions (T,), and
+        its (T, T) attention mask (None = causal)."""
+        n = self.cache.lengths[self.slot]
+        assert n == len(self.tokens) - 1
+        k, m = len(draft), draft.n_aux
+        ids = [self.tokens[-1], *draft.tokens.tolist()]
+        if draft.parents is None:
+            depth = torch.arange(k + 1)
+            mask = None if not m else torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
+        else:
+            depth = torch.tensor([0, *draft.depths()])
+            mask = tree_attention_mask(draft.parents)
+        if not m:
+            return torch.tensor(ids), n + depth, mask
+        full = torch.zeros(1 + k + m, 1 + k + m, dtype=torch.bool)
+        full[:k + 1, :k + 1] = mask
+        full[k + 1:, 0] = draft.aux_mask[:, 0]
+        full[k + 1:, k + 1:] = draft.aux_mask[:, 1:]
+        ids += draft.aux_tokens.tolist()
+        pos = torch.cat([n + depth, n + draft.aux_pos])
+        return torch.tensor(ids), pos, full
 
     @torch.inference_mode()
     def verify(self, draft: Draft) -> tuple[Tensor, Tensor]:
-        """ONE target pass over [current, *draft]: logits (1+k, V), final hidden (1+k, dim)."""
+        """ONE target pass over [current, *draft] (and any aux rows): logits (1+k, V) and
+        final hidden (1+k, dim) of the current token and the draft nodes."""
         n = self.cache.lengths[self.slot]
-        assert n == len(self.tokens) - 1
         k = len(draft)
-        block = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
         m = self.model
         if draft.exit_layer and k:  # early exit: layers < E are cached for all but the last
             E = draft.exit_layer
+            block = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
             pos_last = torch.tensor([[n + k]])
             h_last = m.run_layers(m.embed(block[:, -1:]), pos_last, 0, E, cache=self.cache,
                                   slot=self.slot, start=n + k)
@@ -122,17 +152,18 @@ class Sequence:
             pos = torch.arange(n, n + k + 1)[None]
             h = m.run_layers(h, pos, E, m.config.n_layers, cache=self.cache, slot=self.slot,
                              start=n, mask=m.block_mask(k + 1, n, None))
+            self.ctx.aux_logits = None
             return m.head(h)[0], h[0]
-        if draft.parents is None:
-            pos, tree_mask = None, None
-        else:
-            depth = torch.tensor([0, *draft.depths()])
-            pos = (n + depth)[None]
-            tree_mask = tree_attention_mask(draft.parents)
+        ids, pos, tree_mask = self.block(draft)
         hidden: list[Tensor] = []
-        logits = m(block, pos, cache=self.cache, slot=self.slot, start=n, tree_mask=tree_mask,
-                   hidden=hidden)
-        return logits[0], hidden[-1][0]
+        logits = m(ids[None], None if tree_mask is None else pos[None], cache=self.cache,
+                   slot=self.slot, start=n, tree_mask=tree_mask, hidden=hidden)
+        return self.split(logits[0], hidden[-1][0], k)
+
+    def split(self, logits: Tensor, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Keep the aux rows' logits for the drafter; return the verified rows'."""
+        self.ctx.aux_logits = logits[k + 1:] if logits.shape[0] > k + 1 else None
+        return logits[:k + 1], hidden[:k + 1]
 
     def commit(self, draft: Draft, path: list[int], bonus: int, hidden: Tensor) -> StepResult:
         """Roll the cache back to the accepted path, record the figures, apply stops."""
@@ -212,11 +243,11 @@ def tree_attention_mask(parents: Tensor) -> Tensor:
 
 
 def _truncate(draft: Draft, keep: int) -> Draft:
-    return Draft(draft.tokens[:keep],
-                 None if draft.parents is None else draft.parents[:keep],
-                 None if draft.probs is None else draft.probs[:keep], draft.cost,
-                 draft.exit_layer, None if draft.exit_hidden is None else draft.exit_hidden[:keep],
-                 draft.method)
+    return dataclasses.replace(
+        draft, tokens=draft.tokens[:keep],
+        parents=None if draft.parents is None else draft.parents[:keep],
+        probs=None if draft.probs is None else draft.probs[:keep],
+        exit_hidden=None if draft.exit_hidden is None else draft.exit_hidden[:keep])
 
 
 def _rejected_branch(draft: Draft, path: list[int]) -> list[int]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
+from importlib import import_module
+from pathlib import Path
+
 import torch
 
 from drafters.registry import DrafterEnv, Registry
@@ -21,6 +25,29 @@ METHOD_PARAMS: dict[str, list[dict]] = {
 }
 
 
+# Drafters with trained weights, and the function of their module that writes untrained
+# (random, non-zero) weights for a model: ``fn(model, model_name, directory)``. The tiny
+# test models get those, so the generic tests exercise real drafting with real trees; the
+# committed checkpoints use their committed weights.
+TRAINED: dict[str, str] = {}
+HEADS_DIR = Path(tempfile.mkdtemp(prefix="nodraft-test-heads-"))
+
+
+def test_env(model: Micro, shared: dict | None = None, model_name: str | None = None) -> DrafterEnv:
+    """The drafter environment for a test model: a committed checkpoint's name finds its
+    committed weights; any other model gets untrained weights in a temporary folder."""
+    shared = {} if shared is None else shared
+    if model_name is not None:
+        return DrafterEnv(model_name, model, shared)
+    c = model.config
+    name = f"tiny-{c.dim}-{c.n_layers}-{c.vocab_size}"
+    for method, target in TRAINED.items():
+        if not (HEADS_DIR / f"{name}-{method}.safetensors").exists():
+            module, _, fn = target.partition(":")
+            getattr(import_module(module), fn)(model, name, HEADS_DIR)
+    return DrafterEnv(name, model, shared, checkpoint_dir=HEADS_DIR)
+
+
 def all_configs() -> list[tuple[str, dict]]:
     out = []
     for name in REGISTRY.names():
@@ -32,11 +59,11 @@ def all_configs() -> list[tuple[str, dict]]:
 def generate(model: Micro, prompt: list[int], max_tokens: int, method: str = "none",
              params: dict | None = None, sampling: SamplingParams = SamplingParams(),
              shared: dict | None = None, stop_ids: frozenset[int] = frozenset(),
-             drafter=None, dtype=None):
+             drafter=None, dtype=None, model_name: str | None = None):
     cache = KVCache(model.config, 1, dtype=dtype or model.tok_embeddings.weight.dtype)
     if drafter is None:
         meth, p = REGISTRY.parse({"method": method, **(params or {})})
-        drafter = REGISTRY.build(meth, p, DrafterEnv("test", model, {} if shared is None else shared))
+        drafter = REGISTRY.build(meth, p, test_env(model, shared, model_name))
     seq = Sequence(model, cache, 0, list(prompt), drafter, max_tokens, sampling, stop_ids, method)
     out, steps = [], []
     with torch.inference_mode():

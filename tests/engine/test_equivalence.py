@@ -67,7 +67,8 @@ def test_greedy_equivalence_on_the_trained_checkpoints(trained, name):
         shared: dict = {}
         want, _, _ = generate(model, prompt, max_tokens)
         for method, params in CONFIGS:
-            got, _, _ = generate(model, prompt, max_tokens, method, params, shared=shared)
+            got, _, _ = generate(model, prompt, max_tokens, method, params, shared=shared,
+                                model_name=name)
             assert got == want, (name, method, params)
 
     check()
