@@ -250,3 +250,136 @@ class Micro(nn.Module):
         h = self.run_layers(h, pos, 0, exit_layer or self.config.n_layers, cache=cache,
                             slot=slot, start=start, mask=mask, hidden=hidden)
         return self.head(h)
+
+
+# -- continuous batching: many sequences' blocks in one pass --------------------------------
+@dataclass
+class Segment:
+    """One sequence's rows in a packed pass: ids at cache rows [start, start+T) of ``slot``,
+    rotary positions ``pos`` (a tree's nodes share positions by depth), and ``mask``, the
+    (T, T) attention within the segment (None = causal). The segment also sees its slot's
+    rows [0, start). ``logits`` False skips the head (prefill chunks)."""
+
+    slot: int
+    start: int
+    ids: Tensor  # (T,) int64
+    pos: Tensor  # (T,) int64
+    mask: Tensor | None = None
+    logits: bool = True
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+
+NARROW = 16  # segments up to this many rows share one padded attention call
+
+
+def _packed_attention_plan(segments: list[Segment], cache: KVCache):
+    """Index maps and masks for one packed pass, built once and reused by every layer.
+
+    Narrow segments (drafts being verified) attend together: a batch over the slot range
+    they occupy, queries padded to the longest segment, keys read in place from the cache
+    (a view, no copy) up to the longest context, and a boolean (S, 1, Tq, ctx) mask. Wide
+    segments (prefill chunks) attend one by one, each with its own causal mask.
+    """
+    offsets, o = [], 0
+    for s in segments:
+        offsets.append(o)
+        o += len(s)
+    narrow = [i for i, s in enumerate(segments) if len(s) <= NARROW]
+    wide = [i for i, s in enumerate(segments) if len(s) > NARROW]
+    plan = {"wide": [], "narrow": None}
+    for i in wide:
+        s = segments[i]
+        T = len(s)
+        m = torch.ones(T, s.start + T, dtype=torch.bool).tril(s.start)
+        if s.mask is not None:
+            m[:, s.start:] = s.mask
+        plan["wide"].append((torch.arange(offsets[i], offsets[i] + T), s.slot, s.start + T, m))
+    if narrow:
+        lo = min(segments[i].slot for i in narrow)
+        hi = max(segments[i].slot for i in narrow) + 1
+        Tq = max(len(segments[i]) for i in narrow)
+        ctx = max(segments[i].start + len(segments[i]) for i in narrow)
+        n_rows = o
+        src = torch.full(((hi - lo) * Tq,), n_rows, dtype=torch.long)  # n_rows = a zero row
+        mask = torch.zeros(hi - lo, Tq, ctx, dtype=torch.bool)
+        mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
+        rows, dest = [], []
+        for i in narrow:
+            s = segments[i]
+            b, T = s.slot - lo, len(s)
+            src[b * Tq: b * Tq + T] = torch.arange(offsets[i], offsets[i] + T)
+            mask[b, :T, :s.start] = True
+            mask[b, :T, s.start:s.start + T] = (torch.ones(T, T, dtype=torch.bool).tril()
+                                                if s.mask is None else s.mask)
+            rows.append(torch.arange(offsets[i], offsets[i] + T))
+            dest.append(torch.arange(b * Tq, b * Tq + T))
+        plan["narrow"] = (lo, hi, Tq, ctx, src, mask[:, None], torch.cat(rows), torch.cat(dest))
+    return plan
+
+
+@torch.inference_mode()
+def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
+                   ) -> list[tuple[Tensor | None, Tensor]]:
+    """ONE target pass over every segment: per segment, (logits (T, V) or None, final
+    hidden (T, dim)). The linear layers see all rows packed together (one matmul per
+    weight for the whole batch); attention keeps each sequence to its own slot. Keys and
+    values are written to each segment's rows; committed lengths do not change.
+    """
+    c = model.config
+    H, D = c.n_heads, c.head_dim
+    ids = torch.cat([s.ids for s in segments])
+    pos = torch.cat([s.pos for s in segments])
+    N = ids.numel()
+    slot_idx = torch.cat([torch.full((len(s),), s.slot, dtype=torch.long) for s in segments])
+    row_idx = torch.cat([torch.arange(s.start, s.start + len(s)) for s in segments])
+    plan = _packed_attention_plan(segments, cache)
+    cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
+    h = model.tok_embeddings(ids)  # (N, dim)
+    for li, layer in enumerate(model.layers):
+        an, fn = layer.attention_norm, layer.ffn_norm
+        x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
+        qkv = F.linear(x, layer.attention.wqkv.weight).view(N, 3, H, D)
+        qk = apply_rope(qkv[:, :2], cos, sin)  # (N, 2, H, D)
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        k_cache, v_cache = cache.k[li], cache.v[li]  # (slots, H, max_len, D)
+        k_cache[slot_idx, :, row_idx] = k.to(k_cache.dtype)
+        v_cache[slot_idx, :, row_idx] = v.to(v_cache.dtype)
+        y = torch.empty(N, H, D, dtype=q.dtype)
+        for rows, slot, end, m in plan["wide"]:
+            yw = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None],
+                                                k_cache[slot, :, :end][None],
+                                                v_cache[slot, :, :end][None], attn_mask=m)
+            y[rows] = yw[0].transpose(0, 1)
+        if plan["narrow"] is not None:
+            lo, hi, Tq, ctx, src, mask, rows, dest = plan["narrow"]
+            qp = torch.cat([q, q.new_zeros(1, H, D)])[src].view(hi - lo, Tq, H, D).transpose(1, 2)
+            yn = F.scaled_dot_product_attention(qp, k_cache[lo:hi, :, :ctx],
+                                                v_cache[lo:hi, :, :ctx], attn_mask=mask)
+            y[rows] = yn.transpose(1, 2).reshape((hi - lo) * Tq, H, D)[dest]
+        h = h + F.linear(y.view(N, H * D), layer.attention.wo.weight)
+        h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
+    out, o = [], 0
+    need = [s.logits for s in segments]
+    if any(need):
+        sel = torch.cat([torch.arange(o_, o_ + len(s)) for s, o_ in
+                         zip(segments, _offsets(segments)) if s.logits])
+        logits = model.head(h[sel])
+    j = 0
+    for s in segments:
+        T = len(s)
+        lg = None
+        if s.logits:
+            lg, j = logits[j:j + T], j + T
+        out.append((lg, h[o:o + T]))
+        o += T
+    return out
+
+
+def _offsets(segments: list[Segment]) -> list[int]:
+    out, o = [], 0
+    for s in segments:
+        out.append(o)
+        o += len(s)
+    return out

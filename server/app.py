@@ -86,6 +86,7 @@ class Service:
         self.engine = Engine(self.models, self.registry, self.tokenizer.eot_id,
                              self.settings.max_running, self.settings.max_waiting,
                              observer=self.metrics, threads=self.settings.threads)
+        self.engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
         self.engine.start()
         log.info("nodraft: serving %s from %s", ", ".join(names), directory)
 

@@ -2,10 +2,19 @@
 
 asyncio never touches a model. The API submits a ``GenerationRequest`` with a callback;
 the engine thread admits it when a KV slot is free (at most ``max_running`` sequences, at
-most ``max_waiting`` queued, else ``QueueFull``), steps every running sequence in turn,
-and reports each step's tokens through the callback (the API hops them onto the event
-loop with ``call_soon_threadsafe``). Cancelling a request -- a client that went away --
-frees its slot before the next step.
+most ``max_waiting`` queued, else ``QueueFull``) and reports each step's tokens through
+the callback (the API hops them onto the event loop with ``call_soon_threadsafe``).
+Cancelling a request -- a client that went away -- frees its slot before the next pass.
+
+Continuous batching: each iteration runs ONE packed target pass per model over every
+running sequence of that model -- each one's current token and draft (ragged: chains and
+trees of any size, packed, each attending only to its own KV slot), plus chunks of the
+prompts still being prefilled (at most ``PREFILL_TOKENS`` rows per pass, so a long prompt
+never stalls the others). Sequences join between passes and leave when done. How many
+draft tokens each sequence may carry is the ``DraftScheduler``'s call: measured goodput,
+so drafting shrinks, then stops, as the batch grows. A lone sequence takes the
+single-sequence path (``Sequence.step``: the leanest pass, early exit's KV reuse, and the
+request's own draft length).
 """
 
 from __future__ import annotations
@@ -19,11 +28,16 @@ from typing import Any, Callable
 
 import torch
 
+from drafters.base import Draft
 from drafters.registry import DrafterEnv, Registry
-from micro.model import KVCache, Micro
+from micro.model import KVCache, Micro, Segment, forward_packed
+from server.scheduler import DraftScheduler, SeqDraftState
 from server.sequence import Sequence, StepResult
 from server.stats import SpecStats
 from server.verify import SamplingParams
+
+
+PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being prefilled
 
 
 class QueueFull(RuntimeError):
@@ -65,6 +79,7 @@ class Handle:
     cancelled: bool = False
     sequence: Sequence | None = None
     submitted: float = field(default_factory=time.monotonic)
+    draft_state: SeqDraftState = field(default_factory=SeqDraftState)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -99,6 +114,10 @@ class Engine:
         self.caches = {name: KVCache(m.config, max_running) for name, m in models.items()}
         self.free_slots = {name: list(range(max_running)) for name in models}
         self.shared: dict[tuple[str, str], dict] = {}  # (method, model) -> drafter state
+        self.checkpoint_dir = None  # where trained drafters find weights (None: the default)
+        self.scheduler = DraftScheduler()
+        self.prefill_tokens = PREFILL_TOKENS
+        self.passes = 0  # packed passes run (for tests and the curious)
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self._ids = itertools.count(1)
@@ -168,9 +187,15 @@ class Engine:
                     self._reap()
                     self._admit()
                     batch = list(self.running)
+                by_model: dict[str, list[Handle]] = {}
                 for handle in batch:
                     if not handle.cancelled:
-                        self._step(handle)
+                        by_model.setdefault(handle.request.model, []).append(handle)
+                for name, handles in by_model.items():
+                    if len(handles) == 1:
+                        self._step(handles[0])
+                    else:
+                        self._packed_pass(name, handles)
                 with self._cv:
                     self._reap()
                     self._cv.notify_all()
@@ -186,7 +211,8 @@ class Engine:
             if not self.free_slots[name]:
                 break
             self.waiting.popleft()
-            slot = self.free_slots[name].pop()
+            slot = min(self.free_slots[name])  # the lowest: packed passes read a slot range
+            self.free_slots[name].remove(slot)
             try:
                 handle.sequence = self._sequence(handle, slot)
             except Exception as e:  # a drafter that cannot be built fails its request only
@@ -202,6 +228,8 @@ class Engine:
         req = handle.request
         model = self.models[req.model]
         env = DrafterEnv(req.model, model, self.shared.setdefault((req.method, req.model), {}))
+        if self.checkpoint_dir is not None:
+            env.checkpoint_dir = self.checkpoint_dir
         drafter = self.registry.build(req.method, req.params, env)
         stops = frozenset(req.stop_token_ids) | ({self.eot_id} if self.eot_id is not None else set())
         return Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
@@ -212,11 +240,75 @@ class Engine:
         try:
             result = seq.step()
         except Exception as e:  # the target itself failed: end this request, keep serving
-            seq.finish("error")
-            handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
+            self._fail(handle, e)
             return
+        self._report_step(handle, result, _depth(result))
+
+    def _packed_pass(self, name: str, handles: list[Handle]) -> None:
+        """One target pass for every sequence of one model: prefill chunks and drafts."""
+        model, cache = self.models[name], self.caches[name]
+        segments: list[Segment] = []
+        jobs: list[tuple[Handle, Draft | None]] = []  # None: a prefill chunk
+        budget = self.prefill_tokens
+        stepping: list[Handle] = []
+        for h in handles:
+            seq = h.sequence
+            if not seq.prefilled:
+                seg = seq.prefill_segment(budget) if budget > 0 else None
+                if seg is not None:
+                    budget -= len(seg)
+                    segments.append(seg)
+                    jobs.append((h, None))
+                    continue
+                if not seq.prefilled:
+                    continue  # this pass's prefill rows are spent; next pass
+            stepping.append(h)
+        plan = [(h.draft_state, h.request.method, h.sequence.budget()) for h in stepping]
+        limits = self.scheduler.limits(plan, sum(len(s) for s in segments) + len(stepping))
+        for h, k in zip(stepping, limits):
+            seq = h.sequence
+            draft = Draft.empty()
+            if k > 0:
+                t0 = time.perf_counter()
+                draft = seq.propose(k)
+                self.scheduler.observe_propose(h.request.method, time.perf_counter() - t0)
+            try:
+                segments.append(seq.verify_segment(draft))
+            except Exception as e:
+                self._fail(h, e)
+                continue
+            jobs.append((h, draft))
+        if not segments:
+            return
+        t0 = time.perf_counter()
+        try:
+            outputs = forward_packed(model, segments, cache)
+        except Exception as e:  # the target itself failed: end these requests, keep serving
+            for h, _ in jobs:
+                self._fail(h, e)
+            return
+        self.scheduler.timer.observe(sum(len(s) for s in segments), time.perf_counter() - t0)
+        self.passes += 1
+        for (h, draft), seg, (logits, hidden) in zip(jobs, segments, outputs):
+            seq = h.sequence
+            try:
+                if draft is None:
+                    seq.prefill_done(seg, hidden)
+                    continue
+                result = seq.finish_step(draft, logits, hidden)
+            except Exception as e:
+                self._fail(h, e)
+                continue
+            self._report_step(h, result, max(draft.depths(), default=0))
+
+    def _report_step(self, handle: Handle, result: StepResult, depth: int) -> None:
+        handle.draft_state.observe(depth, result.n_accepted)
         self.observer.on_step(handle, result)
         handle.report(Event("step", step=result))
+
+    def _fail(self, handle: Handle, e: Exception) -> None:
+        handle.sequence.finish("error")
+        handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
 
     def _reap(self) -> None:
         """Free the slots of finished and cancelled sequences; report their end."""
@@ -240,3 +332,7 @@ class Engine:
                                   stats=seq.stats if seq else SpecStats(handle.request.method),
                                   stats_by_method=seq.stats_by_method if seq else {}))
         self.observer.on_finish(handle, reason)
+
+
+def _depth(result: StepResult) -> int:
+    return len(result.draft)  # chains; a tree's depth is at most its size

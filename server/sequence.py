@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from drafters.base import Draft, DraftContext, Drafter, close_drafter
-from micro.model import KVCache, Micro
+from micro.model import KVCache, Micro, Segment
 from server.stats import SpecStats
 from server.verify import SamplingParams, accept
 
@@ -67,6 +67,8 @@ class Sequence:
         self.ctx = DraftContext(self.tokens, len(self.prompt), self.model, self.cache, self.slot,
                                 temperature=self.sampling.temperature, generator=self.generator)
         self.prefilled = False
+        self._states: list[Tensor] = []  # prefill chunks' hidden states (packed prefill)
+        self._prefill_begun = False
 
     @property
     def done(self) -> bool:
@@ -96,8 +98,10 @@ class Sequence:
         room = min(self.max_tokens - self.generated, self.cache.max_len - len(self.tokens))
         return max(0, min(self.max_draft, room - 1))
 
-    def propose(self) -> Draft:
-        budget = self.budget()
+    def propose(self, limit: int | None = None) -> Draft:
+        """The drafter's draft for this step, within ``budget()`` and ``limit`` (the
+        scheduler's share under batching; 0 = do not draft this step)."""
+        budget = self.budget() if limit is None else min(limit, self.budget())
         if budget == 0:
             return Draft.empty()
         try:
@@ -213,6 +217,46 @@ class Sequence:
             self.prefill()
         draft = self.propose()
         logits, hidden = self.verify(draft)
+        path, bonus = accept(logits, draft, self.sampling, self.generator)
+        return self.commit(draft, path, bonus, hidden)
+
+    # -- the same, as segments of a packed pass shared with other sequences ---------------
+    def prefill_segment(self, budget: int) -> Segment | None:
+        """The next chunk of the prompt (at most ``budget`` rows) for a packed pass; None
+        when nothing is left to prefill (then the sequence is ready to step)."""
+        if self.prefilled:
+            return None
+        if not self._prefill_begun:  # the slot may hold a previous sequence's length
+            self.cache.reset(self.slot)
+            self._states, self._prefill_begun = [], True
+        n = self.cache.lengths[self.slot]
+        body = self.prompt[:-1]
+        if n >= len(body):
+            self.ctx.last_hidden = torch.cat(self._states) if self._states else None
+            self.prefilled = True
+            return None
+        end = min(len(body), n + max(1, budget))
+        return Segment(self.slot, n, torch.tensor(body[n:end]), torch.arange(n, end),
+                       logits=False)
+
+    def prefill_done(self, segment: Segment, hidden: Tensor) -> None:
+        self.cache.advance(self.slot, len(segment))
+        self._states.append(hidden)
+        if self.cache.lengths[self.slot] == len(self.prompt) - 1:
+            self.ctx.last_hidden = torch.cat(self._states)
+            self._states = []
+            self.prefilled = True
+
+    def verify_segment(self, draft: Draft) -> Segment:
+        """The verification block as a segment. Early exit's KV reuse does not apply in a
+        packed pass: the block runs through every layer, rewriting the rows below the exit
+        that the draft wrote (the same values, so the output is unchanged)."""
+        ids, pos, mask = self.block(draft)
+        return Segment(self.slot, self.cache.lengths[self.slot], ids, pos, mask)
+
+    def finish_step(self, draft: Draft, logits: Tensor, hidden: Tensor) -> StepResult:
+        """Accept and commit after a packed pass computed the segment's logits."""
+        logits, hidden = self.split(logits, hidden, len(draft))
         path, bonus = accept(logits, draft, self.sampling, self.generator)
         return self.commit(draft, path, bonus, hidden)
 

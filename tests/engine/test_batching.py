@@ -1,0 +1,176 @@
+"""Continuous batching: packed passes give every sequence exactly what it gets alone."""
+
+import threading
+
+import pytest
+import torch
+
+from drafters.registry import Registry
+from micro.model import KVCache, Segment, forward_packed
+from server.engine import Engine, GenerationRequest
+from server.scheduler import DraftScheduler, PassTimer, SeqDraftState
+from server.sequence import tree_attention_mask
+from server.verify import SamplingParams
+from tests.conftest import TINY, tiny_model
+from tests.engine.helpers import generate
+
+MODEL = tiny_model()
+
+
+def test_a_packed_pass_equals_each_sequence_alone():
+    """Prefill chunks (wide), chains and trees (narrow), different slots and lengths."""
+    g = torch.Generator().manual_seed(0)
+    V = TINY.vocab_size
+    prompts = [torch.randint(0, V, (n,), generator=g) for n in (5, 40, 1, 17, 3, 60)]
+    drafts = [torch.randint(0, V, (k,), generator=g) for k in (3, 0, 6, 1, 2, 4)]
+    trees = [None, None, torch.tensor([-1, -1, 0, 1, 1, 2]), None, torch.tensor([-1, -1]), None]
+    slots = [0, 3, 1, 2, 6, 7]
+    want = []
+    for p, d, parents in zip(prompts, drafts, trees):
+        c = KVCache(TINY, 1, dtype=torch.float64)
+        if len(p) > 1:
+            MODEL(p[None, :-1], cache=c)
+            c.advance(0, len(p) - 1)
+        n = len(p) - 1
+        block = torch.cat([p[-1:], d])[None]
+        if parents is None:
+            want.append(MODEL(block, cache=c)[0])
+        else:
+            depth = [0] + [1 if q < 0 else None for q in parents.tolist()]
+            for i, q in enumerate(parents.tolist()):
+                depth[i + 1] = 1 if q < 0 else depth[q + 1] + 1
+            pos = (n + torch.tensor(depth))[None]
+            want.append(MODEL(block, pos, cache=c, tree_mask=tree_attention_mask(parents))[0])
+    cache = KVCache(TINY, 8, dtype=torch.float64)
+    forward_packed(MODEL, [Segment(s, 0, p[:-1], torch.arange(len(p) - 1), logits=False)
+                           for s, p in zip(slots, prompts) if len(p) > 1], cache)
+    segs = []
+    for s, p, d, parents in zip(slots, prompts, drafts, trees):
+        n = len(p) - 1
+        cache.lengths[s] = n
+        ids = torch.cat([p[-1:], d])
+        if parents is None:
+            segs.append(Segment(s, n, ids, torch.arange(n, n + len(ids))))
+        else:
+            mask = tree_attention_mask(parents)
+            depth = mask.sum(1) - 1  # ancestors seen = depth
+            segs.append(Segment(s, n, ids, n + depth, mask))
+    out = forward_packed(MODEL, segs, cache)
+    for w, (logits, hidden) in zip(want, out):
+        assert logits.shape == w.shape and hidden.shape[0] == w.shape[0]
+        torch.testing.assert_close(logits, w, rtol=0, atol=1e-9)
+    assert cache.lengths[0] == 4  # a pass never moves committed lengths
+
+
+class DraftEverything(DraftScheduler):
+    """Every sequence drafts its full budget every pass (exercises packed drafts)."""
+
+    def limits(self, states, fixed_rows):
+        return [kmax for _, _, kmax in states]
+
+
+def float64_engine(**kw) -> Engine:
+    engine = Engine({"micro": MODEL}, Registry(), eot_id=None, **kw)
+    for c in engine.caches.values():
+        c.k, c.v = c.k.double(), c.v.double()
+    return engine
+
+
+def run_all(engine, requests, timeout=120.0):
+    events = [[] for _ in requests]
+    dones = [threading.Event() for _ in requests]
+    for i, r in enumerate(requests):
+        def cb(ev, i=i):
+            events[i].append(ev)
+            if ev.kind != "step":
+                dones[i].set()
+        engine.submit(r, cb)
+    assert all(d.wait(timeout) for d in dones)
+    return events
+
+
+METHODS = [("none", {}), ("prompt_lookup", {}), ("suffix", {}), ("early_exit", {"exit_layer": 2}),
+           ("prompt_lookup", {"num_speculative_tokens": 3})]
+
+
+@pytest.mark.parametrize("scheduler", [DraftEverything, DraftScheduler])
+def test_each_sequence_gets_its_solo_output_whatever_shares_the_batch(scheduler):
+    reg = Registry()
+    g = torch.Generator().manual_seed(1)
+    requests, solo = [], []
+    for i in range(14):
+        method, params = METHODS[i % len(METHODS)]
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        unit = torch.randint(0, TINY.vocab_size, (int(torch.randint(1, 9, (1,), generator=g)),),
+                             generator=g).tolist()
+        prompt = (unit * 80)[:n] if i % 2 else torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist()
+        max_tokens = int(torch.randint(1, 40, (1,), generator=g))
+        m, p = reg.parse({"method": method, **params})
+        requests.append(GenerationRequest("micro", prompt, max_tokens, method=m, params=p))
+        solo.append(generate(MODEL, prompt, max_tokens, method, params)[0])
+    engine = float64_engine(max_running=6, max_waiting=20)
+    engine.scheduler = scheduler()
+    engine.prefill_tokens = 24  # prompts up to 70 tokens prefill over several passes
+    engine.start()
+    try:
+        events = run_all(engine, requests)
+    finally:
+        engine.stop()
+    for want, evs in zip(solo, events):
+        assert evs[-1].kind == "finish", evs[-1]
+        assert [t for e in evs if e.kind == "step" for t in e.step.tokens] == want
+    assert engine.passes > 0
+    if scheduler is DraftEverything:
+        assert sum(evs[-1].stats.accepted for evs in events) > 0
+    assert sorted(engine.free_slots["micro"]) == list(range(6))
+
+
+def test_sampled_requests_run_in_packed_passes_with_their_seeds():
+    reg = Registry()
+    sp = SamplingParams(temperature=0.8, seed=7)
+    m, p = reg.parse("prompt_lookup")
+    reqs = [GenerationRequest("micro", [1, 2, 3, 1, 2, 3], 20, sp, m, p) for _ in range(4)]
+    engine = float64_engine(max_running=4, max_waiting=4)
+    engine.scheduler = DraftEverything()
+    engine.start()
+    try:
+        events = run_all(engine, reqs)
+    finally:
+        engine.stop()
+    outs = [[t for e in evs if e.kind == "step" for t in e.step.tokens] for evs in events]
+    assert all(len(o) == 20 for o in outs)
+    assert outs[0] == outs[1] == outs[2] == outs[3]  # same seed, same stream, any batch
+
+
+def test_the_pass_timer_fits_a_line():
+    t = PassTimer()
+    for rows in range(1, 40):
+        t.observe(rows, 0.002 + 0.0001 * rows)
+    a, b = t.coefficients
+    assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+
+
+def test_drafting_shrinks_then_stops_as_the_batch_grows():
+    s = DraftScheduler()
+    for rows in range(1, 64):
+        s.timer.observe(rows, 0.001 + 0.00005 * rows)
+    s.observe_propose("prompt_lookup", 0.0)
+    mid = SeqDraftState(accepted=6, rejected=4)  # alpha 0.6
+    one = s.limits([(mid, "prompt_lookup", 16)], 1)[0]
+    eight = s.limits([(mid, "prompt_lookup", 16)] * 8, 8)
+    many = s.limits([(mid, "prompt_lookup", 16)] * 32, 32)
+    assert one > eight[0] > many[0] == 0
+    sure = SeqDraftState(accepted=95, rejected=5)  # alpha 0.95 still pays at 32
+    assert s.limits([(sure, "prompt_lookup", 16)] + [(mid, "prompt_lookup", 16)] * 31, 32)[0] > 0
+    # a slow drafter must repay its own time
+    s.observe_propose("slow", 0.01)
+    assert s.limits([(mid, "slow", 16)], 1)[0] == 0
+
+
+def test_a_sequence_that_stopped_drafting_probes_again():
+    st = SeqDraftState(accepted=1, rejected=9)
+    s = DraftScheduler()
+    assert s.limits([(st, "x", 8)] * 32, 32)[0] == 0
+    for _ in range(16):
+        st.observe(0, 0)
+    assert s.limits([(st, "x", 8)] * 32, 32)[0] == 1
