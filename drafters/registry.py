@@ -25,6 +25,10 @@ BUILTIN = {
     "prompt_lookup": "drafters.prompt_lookup:PromptLookup",
     "early_exit": "drafters.early_exit:EarlyExit",
     "suffix": "drafters.suffix:SuffixDecoding",
+    "lookahead": "drafters.lookahead:Lookahead",
+    "medusa": "drafters.medusa:Medusa",
+    "eagle": "drafters.eagle:Eagle",
+    "auto": "drafters.auto:Auto",
 }
 ALIASES = {"ngram": "prompt_lookup"}
 
@@ -115,6 +119,14 @@ class Registry:
             return method, cls.Params(**params)
         except (TypeError, ValueError) as e:
             raise SpeculationError(f"speculation for {method!r}: {e}") from None
+
+    def check(self, method: str, params: Any, env: DrafterEnv) -> None:
+        """Cheap checks a drafter can make before it is built (``cls.check(params, env)``,
+        optional): trained weights present, parameters within what was trained. Raises
+        SpeculationError, which the API turns into a 400 before the request is queued."""
+        check = getattr(self.drafter_class(method), "check", None)
+        if check is not None:
+            check(params, env)
 
     def build(self, method: str, params: Any, env: DrafterEnv):
         return self.drafter_class(method)(params, env)

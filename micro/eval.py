@@ -29,6 +29,7 @@ import json
 import math
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -169,6 +170,19 @@ def decode_tokens_per_s(model: Micro, prompt: list[int], n_tokens: int = 128, re
     return statistics.median(rates)
 
 
+DRAFTER_SUFFIXES = ("-medusa", "-eagle")  # trained drafters' weights beside a checkpoint
+
+
+def is_model_file(path) -> bool:
+    """A micro checkpoint: its config in the metadata, and not a drafter's weights."""
+    from safetensors import safe_open
+
+    if Path(path).stem.endswith(DRAFTER_SUFFIXES):
+        return False
+    with safe_open(str(path), "pt") as f:
+        return "config" in (f.metadata() or {})
+
+
 def evaluate(directory=CHECKPOINT_DIR, max_tokens: int | None = None,
              variants: tuple[str, ...] = VARIANTS) -> dict:
     local = directory / "tokenizer.json"
@@ -184,7 +198,8 @@ def evaluate(directory=CHECKPOINT_DIR, max_tokens: int | None = None,
     out = {"checkpoints": [], "heldout": {"bytes": len(text), "tokens": int(len(heldout)),
                                           "sha256": hashlib.sha256(text).hexdigest()}}
     names = available_models(directory)  # micro, micro-layerskip, then any other checkpoint
-    names += sorted(p.stem for p in directory.glob("*.safetensors") if p.stem not in names)
+    names += sorted(p.stem for p in directory.glob("*.safetensors")
+                    if p.stem not in names and is_model_file(p))  # not drafters' heads
     for name in names:
         model = load_model(name, directory)
         L = model.config.n_layers

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
+from drafters.registry import DrafterEnv
 from server import chat
 from server.engine import EngineStopped, GenerationRequest
 from server.errors import APIError, error_body
@@ -115,6 +116,8 @@ def _start(request: Request, body: Any, prompts: list[list[int]], explicit: int 
                        + ", ".join(service.models), param="model", code="model_not_found")
     method, params = service.registry.parse(body.speculation, service.settings.speculation)
     request.state.speculation_method = method
+    service.registry.check(method, params, DrafterEnv(
+        body.model, service.models[body.model], checkpoint_dir=service.checkpoint_dir))
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true",
                        param="stream_options")

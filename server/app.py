@@ -69,9 +69,10 @@ class Service:
         self.engine: Engine | None = None
         self.context = 0
         self.draining = False
+        self.checkpoint_dir = Path(self.settings.checkpoints)
 
     def load(self) -> None:
-        directory = Path(self.settings.checkpoints)
+        directory = self.checkpoint_dir = Path(self.settings.checkpoints)
         names = available_models(directory)
         if not names:
             raise RuntimeError(f"no checkpoint in {directory} (micro.safetensors, "

@@ -18,7 +18,7 @@ from importlib import import_module
 
 COMMANDS = {
     "serve": ("server.app", "main", "run the OpenAI-compatible server"),
-    "eval": ("micro.eval", "main", "held-out loss of every checkpoint and variant"),
+    "eval": ("drafters.evaluation", "main", "held-out loss of every checkpoint and variant, and of trained drafters"),
     "workshop": ("clients.workshop", "main", "the course's table, measured"),
     "export-hf": ("micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
     "loadtest": ("clients.loadtest", "main", "load-test a running server"),
@@ -26,8 +26,8 @@ COMMANDS = {
 TRAIN = {
     "tokenizer": ("micro.train_tokenizer", "main", "the byte-level BPE on the train split"),
     "micro": ("micro.train", "main", "micro or micro-layerskip (--layerskip)"),
-    "medusa": ("drafters.train_heads", "main_medusa", "Medusa heads for a checkpoint"),
-    "eagle": ("drafters.train_heads", "main_eagle", "the EAGLE head for a checkpoint"),
+    "medusa": ("drafters.medusa_train", "main", "Medusa heads for a checkpoint"),
+    "eagle": ("drafters.eagle_train", "main", "the EAGLE head for a checkpoint"),
 }
 
 

@@ -102,8 +102,8 @@ class Sequence:
         """The drafter's draft for this step, within ``budget()`` and ``limit`` (the
         scheduler's share under batching; 0 = do not draft this step)."""
         budget = self.budget() if limit is None else min(limit, self.budget())
-        if budget == 0:
-            return Draft.empty()
+        if budget == 0:  # not consulted: a drafter may name who that pass belongs to
+            return dataclasses.replace(Draft.empty(), method=getattr(self.drafter, "idle_method", None))
         try:
             draft = self.drafter.propose(self.ctx, budget)
         except Exception:  # a drafter that raises is contained: plain decoding this step

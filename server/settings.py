@@ -27,11 +27,11 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on (0: any free port)")
     speculation: str | dict = Field(
-        "none", description="the default drafter for requests without `speculation`: a "
+        "auto", description="the default drafter for requests without `speculation`: a "
         "method name or a JSON object such as '{\"method\": \"early_exit\", \"exit_layer\": 2}'")
     api_key: SecretStr | None = Field(
         None, description="if set, /v1/* requires `Authorization: Bearer KEY`")
-    max_running: int = Field(16, ge=1, le=256, description="sequences decoded at once")
+    max_running: int = Field(32, ge=1, le=256, description="sequences decoded at once")
     max_waiting: int = Field(64, ge=0, description="sequences queued beyond those (then 429)")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="request body limit (then 413)")
     cors_origins: Annotated[list[str], NoDecode] = Field(

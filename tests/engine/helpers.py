@@ -22,6 +22,12 @@ METHOD_PARAMS: dict[str, list[dict]] = {
     "early_exit": [{"exit_layer": 1}, {"exit_layer": 2, "num_speculative_tokens": 5},
                    {"exit_layer": 3}],
     "suffix": [{}, {"min_token_prob": 0.01, "max_spec_factor": 4.0}],
+    "lookahead": [{}, {"window": 1, "ngram": 3, "guesses": 1},
+                  {"window": 5, "ngram": 4, "guesses": 8, "seed_from_prompt": False}],
+    "medusa": [{}, {"num_heads": 1, "total_tokens": 3}, {"total_tokens": 40, "top_k": 3}],
+    "eagle": [{}, {"depth": 1, "top_k": 1, "total_tokens": 2},
+              {"depth": 6, "top_k": 3, "total_tokens": 40}],
+    "auto": [{}, {"candidates": "prompt_lookup,suffix", "num_speculative_tokens": 4}],
 }
 
 
@@ -29,11 +35,12 @@ METHOD_PARAMS: dict[str, list[dict]] = {
 # (random, non-zero) weights for a model: ``fn(model, model_name, directory)``. The tiny
 # test models get those, so the generic tests exercise real drafting with real trees; the
 # committed checkpoints use their committed weights.
-TRAINED: dict[str, str] = {}
+TRAINED: dict[str, str] = {"medusa": "drafters.medusa:write_untrained"}
+TRAINED["eagle"] = "drafters.eagle:write_untrained"
 HEADS_DIR = Path(tempfile.mkdtemp(prefix="nodraft-test-heads-"))
 
 
-def test_env(model: Micro, shared: dict | None = None, model_name: str | None = None) -> DrafterEnv:
+def drafter_env(model: Micro, shared: dict | None = None, model_name: str | None = None) -> DrafterEnv:
     """The drafter environment for a test model: a committed checkpoint's name finds its
     committed weights; any other model gets untrained weights in a temporary folder."""
     shared = {} if shared is None else shared
@@ -63,7 +70,7 @@ def generate(model: Micro, prompt: list[int], max_tokens: int, method: str = "no
     cache = KVCache(model.config, 1, dtype=dtype or model.tok_embeddings.weight.dtype)
     if drafter is None:
         meth, p = REGISTRY.parse({"method": method, **(params or {})})
-        drafter = REGISTRY.build(meth, p, test_env(model, shared, model_name))
+        drafter = REGISTRY.build(meth, p, drafter_env(model, shared, model_name))
     seq = Sequence(model, cache, 0, list(prompt), drafter, max_tokens, sampling, stop_ids, method)
     out, steps = [], []
     with torch.inference_mode():

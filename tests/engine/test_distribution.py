@@ -74,11 +74,15 @@ def sample_joint(sp_args: dict, method=None, params=None, drafter_cls=None) -> n
 
 CASES = [("none", {}, None), ("prompt_lookup", {}, None), ("early_exit", {"exit_layer": 1}, None),
          ("early_exit", {"exit_layer": 3}, None), ("suffix", {"min_token_prob": 0.01}, None),
+         ("lookahead", {"window": 3, "ngram": 3}, None),
+         ("medusa", {}, None),
+         ("eagle", {}, None),
+         ("auto", {}, None),
          ("fixed_tree", None, FixedTree), ("random_chain_q", None, RandomChainWithQ)]
 T1 = {"temperature": 1.0}
 FILTERED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}
 PARAMS = [(*c, T1) for c in CASES] + [(*c, FILTERED) for c in CASES if c[0] in
-                                       ("early_exit", "fixed_tree", "random_chain_q")]
+                                       ("early_exit", "fixed_tree", "random_chain_q", "eagle")]
 
 
 def test_every_registered_method_is_covered():

@@ -31,8 +31,9 @@ MAX_RUNNING, MAX_WAITING = 4, 4  # the session server's admission limits
 
 
 class SlowDraft:
-    """A test drafter: proposes nothing, after a pause, so that a sequence is still running
-    when a test disconnects, fills the queue or sends SIGTERM."""
+    """A test drafter: proposes nothing, and pauses after every step (``observe`` runs every
+    step, even when the batching scheduler does not ask for a draft), so that a sequence is
+    still running when a test disconnects, fills the queue or sends SIGTERM."""
 
     name = "slow"
 
@@ -44,11 +45,10 @@ class SlowDraft:
         self.params = params
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        time.sleep(self.params.delay)
         return Draft.empty()
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
-        pass
+        time.sleep(self.params.delay)
 
 
 def registry_with_slow() -> Registry:

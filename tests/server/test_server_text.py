@@ -104,7 +104,7 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     for var in ("NODRAFT_PORT", "NODRAFT_SPECULATION", "NODRAFT_CORS_ORIGINS"):
         monkeypatch.delenv(var)
     defaults = Settings()
-    assert (defaults.host, defaults.port, defaults.speculation) == ("127.0.0.1", 8000, "none")
+    assert (defaults.host, defaults.port, defaults.speculation) == ("127.0.0.1", 8000, "auto")
     assert defaults.cors_origins == []
 
 

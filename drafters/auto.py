@@ -1,0 +1,206 @@
+"""``auto``: per step, the drafter and draft length with the best expected goodput.
+
+Goodput is tokens per second. For a candidate draft of k tokens whose tokens are accepted
+with per-token probability ``alpha`` (geometric model), one step is expected to emit
+``1 + alpha + alpha**2 + ... + alpha**k`` tokens and to take the drafter's own time plus a
+target pass over ``1 + k`` rows. The candidates, and the signals each is judged on:
+
+- ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
+  them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
+  draft. A match's draft is trimmed to the length where one more token stops paying.
+- ``eagle`` and ``medusa``: when the model has trained weights. Their draft is not free
+  (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
+  their recent acceptance and measured drafting time first, and only drafts with the one
+  it picks.
+- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
+
+``alpha`` per drafter is accepted / (accepted + rejections) over the request's recent
+steps (exponential moving average), starting from what earlier requests on this server
+measured for that drafter (kept per model), so a fresh request starts informed. A drafter
+auto has not picked for a while gets its estimate pulled back towards that server-wide
+figure, so a text that turns repetitive is noticed.
+
+Pass time as a function of rows, ``a + b * rows``, is measured once per model when the
+first ``auto`` request arrives (a scratch cache; a few milliseconds) -- the same machine's
+numbers, not a FLOP model. Drafting times are measured as auto runs.
+
+The figures of each step are attributed to the drafter that proposed (``Draft.method``);
+the draft cost is that drafter's own cost model. Lookahead decoding is not a candidate:
+its Jacobi window must run in every pass to be of use, which auto cannot promise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from drafters.base import Draft, DraftContext
+from drafters.registry import DrafterEnv, SpeculationError
+from micro.model import KVCache
+
+CHEAP = ("prompt_lookup", "suffix")
+TRAINED = ("eagle", "medusa")
+DECAY = 0.85
+
+
+@dataclass
+class _Estimate:
+    accepted: float = 1.0
+    rejected: float = 1.0
+
+    @property
+    def alpha(self) -> float:
+        return min(0.97, self.accepted / (self.accepted + self.rejected))
+
+    def observe(self, depth: int, accepted: int, decay: float = DECAY) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + (1.0 if accepted < depth else 0.0)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + alpha + ... + alpha**k: the bonus token plus the expected accepted drafts."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def pass_seconds(env: DrafterEnv) -> tuple[float, float]:
+    """(a, b) with a pass over r rows taking about a + b * r seconds, measured once per model."""
+    got = env.shared.get("auto_pass_seconds")
+    if got is not None:
+        return got
+    model = env.model
+    cache = KVCache(model.config, 1, max_len=64, dtype=model.tok_embeddings.weight.dtype)
+    cache.lengths[0] = 32
+    times = {}
+    with torch.inference_mode():
+        for rows in (1, 9):
+            x = torch.zeros(1, rows, dtype=torch.long)
+            model(x, cache=cache)  # warm-up
+            samples = []
+            for _ in range(7):
+                t0 = time.perf_counter()
+                model(x, cache=cache)
+                samples.append(time.perf_counter() - t0)
+            times[rows] = sorted(samples)[len(samples) // 2]
+    b = max(1e-7, (times[9] - times[1]) / 8)
+    a = max(1e-6, times[1] - b)
+    env.shared["auto_pass_seconds"] = (a, b)
+    return a, b
+
+
+class Auto:
+    name = "auto"
+    idle_method = "none"  # passes the engine runs without asking auto are plain decoding
+
+    @dataclass(frozen=True)
+    class Params:
+        candidates: str = "prompt_lookup,suffix,eagle,medusa"  # comma-separated
+        num_speculative_tokens: int = 16  # the longest draft auto will send
+
+        def __post_init__(self):
+            names = [c.strip() for c in self.candidates.split(",") if c.strip()]
+            bad = sorted(set(names) - set(CHEAP) - set(TRAINED))
+            if bad or not names:
+                raise ValueError(f"candidates must be among {list(CHEAP + TRAINED)}, got {bad or names}")
+            if not 1 <= self.num_speculative_tokens <= 64:
+                raise ValueError("num_speculative_tokens must be in 1..64")
+
+    def __init__(self, params: Params, env: DrafterEnv):
+        from drafters.registry import Registry
+
+        self.params = params
+        registry = Registry(plugins=False)
+        self.drafters: dict[str, object] = {}
+        for name in (c.strip() for c in params.candidates.split(",") if c.strip()):
+            sub_env = DrafterEnv(env.model_name, env.model, env.shared.setdefault(name, {}),
+                                 env.checkpoint_dir)
+            try:
+                method, sub_params = registry.parse(name)
+                self.drafters[name] = registry.build(method, sub_params, sub_env)
+            except SpeculationError:
+                if name in TRAINED:  # no trained weights for this model: not a candidate
+                    continue
+                raise
+        self.a, self.b = pass_seconds(env)
+        # server-wide acceptance per drafter (per model), and drafting seconds
+        self.global_est: dict[str, _Estimate] = env.shared.setdefault("auto_alpha", {})
+        self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
+        self.est = {n: dataclasses.replace(self.global_est.get(n, _Estimate())) for n in self.drafters}
+        self.states: dict[str, dict] = {n: {} for n in self.drafters}
+        self.last: tuple[str, int] | None = None  # (drafter, depth) of the last draft
+
+    # -- helpers --------------------------------------------------------------------------
+    def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
+        return dataclasses.replace(ctx, state=self.states[name])
+
+    def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
+        t0 = time.perf_counter()
+        draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
+        dt = time.perf_counter() - t0
+        old = self.draft_seconds.get(name)
+        self.draft_seconds[name] = dt if old is None else 0.8 * old + 0.2 * dt
+        return draft
+
+    def _goodput(self, alpha: float, k: int, rows: int, seconds: float) -> float:
+        return expected_tokens(alpha, k) / (self.a + self.b * (1 + rows) + seconds)
+
+    # -- the drafter protocol -------------------------------------------------------------
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        budget = min(budget, self.params.num_speculative_tokens)
+        best_name, best_draft, best_g = None, Draft.empty(), 1.0 / (self.a + self.b)  # none
+        for name in (n for n in CHEAP if n in self.drafters):
+            draft = self._timed(name, ctx, budget)
+            if not len(draft):
+                continue
+            alpha = self.est[name].alpha
+            depth = max(draft.depths())
+            if draft.parents is None:  # a chain: trim to the best length
+                g, k = max((self._goodput(alpha, k, k, 0.0), k) for k in range(1, len(draft) + 1))
+                draft = _prefix(draft, k)
+            else:
+                g = self._goodput(alpha, depth, len(draft), 0.0)
+            if g > best_g:
+                best_name, best_draft, best_g = name, draft, g
+        for name in (n for n in TRAINED if n in self.drafters):
+            alpha = self.est[name].alpha
+            seconds = self.draft_seconds.get(name, 0.0)
+            depth = min(budget, getattr(self.drafters[name], "expected_depth", 4))
+            rows = min(budget, getattr(self.drafters[name], "expected_rows", depth))
+            g = self._goodput(alpha, depth, rows, seconds)
+            if g > best_g:
+                draft = self._timed(name, ctx, budget)
+                if len(draft):
+                    best_name, best_draft, best_g = name, draft, g
+        if best_name is None:  # nothing pays: plain decoding, and its figures say so
+            self.last = None
+            return dataclasses.replace(Draft.empty(), method="none")
+        self.last = (best_name, max(best_draft.depths()))
+        return dataclasses.replace(best_draft, method=best_name)
+
+    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        if self.last is not None:
+            name, depth = self.last
+            self.est[name].observe(depth, len(accepted))
+            self.global_est.setdefault(name, _Estimate()).observe(depth, len(accepted), 0.98)
+        for name, est in self.est.items():  # unused estimates drift back to the server's
+            if self.last is None or name != self.last[0]:
+                g = self.global_est.get(name)
+                if g is not None:
+                    est.accepted = 0.95 * est.accepted + 0.05 * g.accepted
+                    est.rejected = 0.95 * est.rejected + 0.05 * g.rejected
+        for name, drafter in self.drafters.items():  # every drafter keeps its state current
+            drafter.observe(self._ctx(ctx, name), accepted)
+        self.last = None
+
+    def close(self, ctx: DraftContext) -> None:
+        for name, drafter in self.drafters.items():
+            close = getattr(drafter, "close", None)
+            if close is not None:
+                close(self._ctx(ctx, name))
+
+
+def _prefix(draft: Draft, k: int) -> Draft:
+    return dataclasses.replace(draft, tokens=draft.tokens[:k],
+                               probs=None if draft.probs is None else draft.probs[:k])

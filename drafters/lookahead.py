@@ -1,0 +1,275 @@
+"""``lookahead``: lookahead decoding (Fu et al., 2024). No draft model: the target itself
+generates n-grams by Jacobi iteration in the same pass that verifies earlier ones.
+
+One target pass holds three parts (the block the engine builds is
+``[current, *verification branch, *lookahead branch]``, see ``server.sequence``):
+
+- the **current token** c, at position n;
+- the **verification branch**: up to ``guesses`` (G) n-grams from the pool that start with
+  c, each ``ngram - 1`` tokens long, merged on common prefixes into a tree (the draft's
+  nodes; verified like any tree, deterministic, so sampling uses the sibling rule and stays
+  lossless);
+- the **lookahead branch**: the Jacobi window, ``ngram - 1`` (N-1) levels of ``window``
+  (W) columns, sent as ``Draft.aux_tokens``: rows the target runs but nobody verifies; their
+  logits come back as ``ctx.aux_logits``.
+
+The window (W = 3, N = 4; offsets from n; c is the current token, not an aux row)::
+
+    offset        0    1    2    3    4
+    level 0       c    a1   a2                 (a: level 0, W-1 tokens after c)
+    level 1            b0   b1   b2            (level l, column i: offset l + i)
+    level 2                 d0   d1   d2       (the top level; its outputs are new)
+
+Column i is a *trajectory*: a_i, b_i, d_i (with a_0 = c) at offsets i, i+1, i+2. A row sees
+the committed context, level 0 up to its column (c, a_1 .. a_i), and its own column from
+level 1 up to itself -- the consecutive positions n .. n+l+i, like a normal sequence::
+
+    aux row   sees (besides the context)
+    a1        c a1
+    a2        c a1 a2
+    b0        c b0
+    b1        c a1 b1
+    b2        c a1 a2 b2
+    d0        c b0 d0
+    d1        c a1 b1 d1
+    d2        c a1 a2 b2 d2
+
+(the reference implementation's ``j_make_causal_mask_multilevel``: level 0 causal, every
+level sees level 0 causally up to its column and the diagonal of each level below it).
+The target's greedy output at d_i, o_i, continues that trajectory, so each column gives the
+n-gram ``(a_i, b_i, d_i, o_i)`` of N tokens at offsets i .. i+3: harvested into the pool
+under its first token. Then the levels shift (one Jacobi step): level 0 becomes
+``[c', b1, b2]`` (c' the next current token in place of b0), level 1 becomes ``[d0, d1,
+d2]``, the top level the outputs ``[o0, o1, o2]``. Each guess goes from level l+1 to level
+l, its offset one less, so it keeps its absolute position when the step emits one token. When
+it emits more (accepted draft tokens) the window is reused as it is, one step ahead, as the
+reference implementation does by default (``ALWAYS_FWD_ONE``); dropping the passed columns
+and refilling them at random instead (its other mode) measured no better on micro.
+
+**Start-up**, as the reference does: level 0 is W + N - 3 tokens drawn at random from the
+prompt, at offsets 1 .. W+N-3, causal; each of the next N-2 steps adds a level made of the
+top level's outputs (its first column dropped), and every level drops its first column, so
+after N-2 steps the window is W columns by N-1 levels. Greedy argmax drives the window
+whatever the request's temperature: it only proposes; verification keeps the output exact.
+Near the end of the context, when the window's rows do not fit, the step verifies only and
+the window waits.
+
+**The pool**: per sequence, first token -> the N-1 tokens after it, de-duplicated, at most
+G per first token, the most recently seen kept (a seen n-gram becomes the most recent).
+``seed_from_prompt`` fills it with every n-gram of the prompt at the start and adds every
+n-gram of the output as it is emitted (the reference's ``POOL_FROM_PROMPT``); the window's
+harvest adds to it in any case. To draft, the n-grams under c, most recent first, are merged
+on common prefixes into a tree within the step's budget (parents before children). Unlike
+the reference, verification starts at the first step, not once the window is full: a
+seeded pool has n-grams to verify from the start.
+
+**Draft cost**, in target-pass units. The verification branch is the verification pass, as
+for every drafter (not counted). The lookahead branch is m extra rows of that same pass,
+m = (N-1)·W - 1 once the window is full (W + N - 3 at the first step). By FLOPs each row is
+a whole 1-token pass, so a compute-bound device pays m. micro on a CPU is far from
+compute-bound: a pass over T rows takes about ``1 + ROW_COST·(T - 1)`` times a 1-token pass
+(``benchmarks/lookahead.py`` on the 2-core development machine: 1.17x at T = 2, 1.54x at 8,
+1.99x at 16, 2.74x at 32, 4.22x at 64; least squares 0.049 and 0.054 in two runs), so the
+model is ``cost = ROW_COST · m`` with ROW_COST = 0.05. The default window (m = 7) costs 0.35
+of a pass per step; the reference's W = 7, N = 5 (m = 27) 1.35; llama.cpp's W = 15
+(m = 59) 2.95.
+
+**Defaults**, measured on micro (``python benchmarks/lookahead.py --tokens 128``: 128 greedy
+tokens, measured speed-up = none's time / lookahead's, runs alternated, median of 5; the
+machine was loaded, so measured figures move by about 0.15 between runs)::
+
+    W  N  G   seed   fresh: tok/pass  est.  measured   repeating: tok/pass  est.  measured
+    2  5  4   yes           2.21      1.64  0.97-1.27             4.57      3.43  2.19-2.29
+    1  5  4   yes           2.03      1.76  1.10-1.29             4.57      3.97  2.18-2.37
+    2  4  4   yes           1.97      1.58  1.06-1.10             3.76      3.04  1.93-2.37
+    2  6  4   yes           2.17      1.50  0.94-0.96             5.33      3.68  2.11-2.29
+    3  5  7   yes           2.33      1.51  0.95-1.09             4.57      3.02  1.55-2.11
+    4  4  4   yes           2.00      1.30  0.82-0.95             3.76      2.47  1.59-1.86
+    7  5  7   yes           2.33      1.00  0.66-0.80             4.57      2.04  1.33-1.66
+    15 5  15  yes           2.61      0.68  0.62                  4.57      1.23  0.97
+    2  5  4   no            1.60      1.19  0.90                  3.28      2.45  1.84
+    7  5  7   no            2.03      0.88  0.61-0.77             3.66      1.59  0.94-1.16
+
+(ranges: two to four separate runs). What it shows: on micro most of the gain comes from
+the pool's n-grams of the text itself (seeded against unseeded: 2.21 against 1.60 tokens
+per pass on fresh text); the window alone does find n-grams micro goes on to produce (up
+to 2.03 and 3.66 tokens per pass with W = 7), but on a CPU its rows cost more than the
+extra tokens repay beyond W = 2: the reference's 7/5/7 and llama.cpp's 15/5/15 are slower
+than plain decoding on fresh text. N = 5 beats 4 (longer n-grams to accept) and 6 (longer
+misses). W = 1 and W = 2 tie within the noise; the default is W = 2, N = 5, G = 4, the
+higher tokens per pass of the two (2.21 against 2.03 on fresh text), which is what carries
+over to a device where rows are cheaper. Prompt lookup, which costs nothing and drafts up
+to 8 tokens, stays ahead on this CPU (1.45x and 3.55x in docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drafters.base import Draft, DraftContext
+from drafters.registry import DrafterEnv
+
+ROW_COST = 0.05  # one more row in a target pass, in 1-token passes (micro, CPU, measured)
+
+
+@functools.lru_cache(maxsize=256)
+def window_layout(width: int, levels: int) -> tuple[Tensor, Tensor]:
+    """Offsets (m,) and mask (m, 1+m) of a window of ``levels`` levels of ``width``
+    columns; level 0 starts with the current token, so it has width-1 aux rows and
+    m = levels·width - 1. Aux rows in order: level 0 columns 1.., then level 1, 2, ...
+
+    Row (l, i) is at offset l + i and sees the current token (mask column 0), level 0
+    columns 1..i, and column i of levels 1..l. Cached: the engine only reads them."""
+    def index(l: int, i: int) -> int:  # aux row of (level l, column i); c is -1
+        return i - 1 if l == 0 else width - 1 + (l - 1) * width + i
+
+    m = levels * width - 1
+    pos = torch.empty(m, dtype=torch.long)
+    mask = torch.zeros(m, 1 + m, dtype=torch.bool)
+    mask[:, 0] = True
+    for l in range(levels):
+        for i in range(1 if l == 0 else 0, width):
+            r = index(l, i)
+            pos[r] = l + i
+            for j in range(1, i + 1):
+                mask[r, 1 + index(0, j)] = True
+            for k in range(1, l + 1):
+                mask[r, 1 + index(k, i)] = True
+    return pos, mask
+
+
+def ngram_tree(grams: list[tuple[int, ...]], budget: int) -> tuple[list[int], list[int]]:
+    """Merge n-grams on common prefixes: (tokens, parents) of a tree of at most ``budget``
+    nodes, parents before children, in the order the n-grams come."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    node: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for gram in grams:
+        parent = -1
+        for t in gram:
+            child = node.get((parent, t))
+            if child is None:
+                if len(tokens) >= budget:
+                    break
+                child = node[(parent, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
+            parent = child
+    return tokens, parents
+
+
+class NgramPool:
+    """First token -> up to ``per_key`` tails (the n-gram's other tokens), most recent last."""
+
+    def __init__(self, per_key: int):
+        self.per_key = per_key
+        self.tails: dict[int, dict[tuple[int, ...], None]] = {}
+
+    def add(self, key: int, tail: tuple[int, ...]) -> None:
+        d = self.tails.setdefault(key, {})
+        if tail in d:  # seen again: it becomes the most recent
+            del d[tail]
+        d[tail] = None
+        if len(d) > self.per_key:
+            del d[next(iter(d))]
+
+    def add_text(self, tokens: list[int], n: int, first_end: int = 0) -> None:
+        """Every n-gram of ``tokens`` that ends at index >= first_end."""
+        for end in range(max(first_end, n - 1), len(tokens)):
+            self.add(tokens[end - n + 1], tuple(tokens[end - n + 2:end + 1]))
+
+    def get(self, key: int) -> list[tuple[int, ...]]:
+        """The tails under ``key``, most recent first."""
+        return list(reversed(self.tails.get(key, ())))
+
+
+class Lookahead:
+    name = "lookahead"
+
+    @dataclass(frozen=True)
+    class Params:
+        window: int = 2  # W: Jacobi window columns
+        ngram: int = 5  # N: n-gram size; the window has N-1 levels
+        guesses: int = 4  # G: n-grams verified per step (and kept per first token)
+        seed_from_prompt: bool = True  # pool the prompt's and the output's n-grams too
+
+        def __post_init__(self):
+            if not 1 <= self.window <= 32:
+                raise ValueError("window must be in 1..32")
+            if not 3 <= self.ngram <= 8:
+                raise ValueError("ngram must be in 3..8")
+            if not 1 <= self.guesses <= 64:
+                raise ValueError("guesses must be in 1..64")
+
+    def __init__(self, params: Params, env: DrafterEnv | None = None):
+        self.params = params
+
+    def _state(self, ctx: DraftContext) -> dict:
+        st = ctx.state
+        if "pool" not in st:
+            p = self.params
+            rng = random.Random(0)  # the same start for the same prompt
+            prompt = ctx.tokens[:ctx.prompt_len]
+            st["pool"] = NgramPool(p.guesses)
+            # level 0 of the start-up window; levels 1.. follow from the target's outputs
+            st["levels"] = [[rng.choice(prompt) for _ in range(p.window + p.ngram - 3)]]
+            st["pending"] = None
+            if p.seed_from_prompt:
+                st["pool"].add_text(ctx.tokens, p.ngram)
+            st["pooled"] = len(ctx.tokens)  # tokens whose n-grams are in the pool
+        return st
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        st = self._state(ctx)
+        grams = st["pool"].get(ctx.tokens[-1])[:self.params.guesses]
+        tokens, parents = ngram_tree(grams, budget)
+        levels = st["levels"]
+        width = len(levels[0]) + 1
+        pos, mask = window_layout(width, len(levels))
+        m = pos.numel()
+        room = ctx.cache.max_len - len(ctx.tokens) - len(tokens)  # rows the cache has left
+        chain = parents == list(range(-1, len(parents) - 1))
+        draft = Draft(torch.tensor(tokens, dtype=torch.long),
+                      None if chain else torch.tensor(parents))
+        if m > room:  # near the end of the context: verify only, the window waits
+            st["pending"] = None
+            return draft
+        st["pending"] = m
+        return dataclasses.replace(
+            draft, cost=ROW_COST * m, aux_pos=pos, aux_mask=mask,
+            aux_tokens=torch.tensor([t for lvl in levels for t in lvl], dtype=torch.long))
+
+    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        st = self._state(ctx)
+        m, st["pending"] = st["pending"], None
+        logits = ctx.aux_logits
+        if m is not None and logits is not None and logits.shape[0] == m:
+            levels = st["levels"]
+            top = len(levels[0]) if len(levels) == 1 else len(levels[-1])  # the top level's rows
+            current = ctx.tokens[-len(accepted) - 2]  # the pass's current token
+            self._jacobi_step(st, logits[m - top:].argmax(-1).tolist(), current)
+        if self.params.seed_from_prompt:
+            st["pool"].add_text(ctx.tokens, self.params.ngram, st["pooled"])
+        st["pooled"] = len(ctx.tokens)
+
+    def _jacobi_step(self, st: dict, top: list[int], current: int) -> None:
+        """One Jacobi iteration of the window from the target's greedy outputs at the top
+        level's rows, ``top``; ``current`` is the token that was current in that pass."""
+        N = self.params.ngram
+        levels = st["levels"]
+        width = len(levels[0]) + 1
+        if len(levels) < N - 1:  # start-up: add a level, drop every level's first column
+            new = top if len(levels) == 1 else top[1:]
+            st["levels"] = [lvl[1:] for lvl in levels] + [new]
+            return
+        pool = st["pool"]
+        for i in range(width):  # column i: (level 0, levels 1..N-2, output) is an n-gram
+            key = current if i == 0 else levels[0][i - 1]
+            pool.add(key, tuple(levels[l][i] for l in range(1, N - 1)) + (top[i],))
+        st["levels"] = [levels[1][1:], *levels[2:], top]

@@ -1,0 +1,378 @@
+"""``medusa``: extra decoding heads on the target's last hidden state (Cai et al., 2024).
+
+Heads. K small heads read the target's final-layer residual stream h_j (before the final
+norm) at position j. Head i (0-based) is one residual block and the target's own output::
+
+    logits_i(h_j) = target.head(h_j + SiLU(W_i h_j + b_i))      # predicts token j + 2 + i
+
+``target.head`` is micro's final RMSNorm and tied embedding LM head, frozen and shared, so
+a head is only its (dim x dim) block: 25.8k parameters for micro. W_i and b_i start at
+zero, so every head starts as the target's next-token prediction, which training shifts
+to 2 + i tokens ahead (Medusa-1: frozen target, an unweighted sum of the heads' cross-
+entropies, a cosine schedule; see ``drafters.medusa_train``).
+
+Drafting. ``ctx.last_hidden[-1]`` is the hidden state that predicted the current token c
+(at position t), so from it head 0 predicts the token after c (draft depth 1), head 1 the
+one after that (depth 2), and so on. In the Medusa paper the root is the target's own
+next token, read from the same pass that produced h; here the verifier has already turned
+that prediction into the current token c, so the root is c and the first level is head
+0's. Worked example, K = 2, tokens ``... x y c`` (c current)::
+
+    last_hidden[-1] = h(y)       target.head(h(y)) predicted c
+    head 0 top-k of h(y)   ->    candidates for the token after c   (depth 1)
+    head 1 top-k of h(y)   ->    candidates for the token after that (depth 2)
+
+The tree. A node is a path of ranks (r_1, ..., r_d): its token is the r_d-th most likely
+token of head d - 1, its parent the path (r_1, ..., r_{d-1}). Siblings are distinct ranks
+of one head, hence distinct tokens. Which paths to verify comes from the heads' measured
+held-out top-k accuracies, stored in the weights' record: with a_i(r) = top-(r+1) minus
+top-r accuracy of head i (the chance that its rank-r token is the right one), a path is
+accepted whole with probability about prod_d a_{d-1}(r_d) (heads taken as independent), and
+the tree's expected accepted length is the sum of that over its nodes. Medusa's greedy
+construction maximises it for a node budget: start from the root, repeatedly add the
+frontier node (a child of a node already in) with the largest path probability, until
+``total_tokens`` nodes (a path of probability 0 is never drafted). Path probabilities
+shrink along a path, so parents always come before children, and the first n nodes are
+the greedy tree for budget n: a smaller step budget simply takes a prefix. The tree
+depends only on the record, ``num_heads``, ``top_k`` (ranks per head, at most the
+measured k and the vocabulary) and ``total_tokens``; it is built once per such key and
+cached (``build_tree``).
+
+Each step runs only the heads the (possibly truncated) tree reaches, takes their top-k
+tokens and reads each node's token off them. The proposal is deterministic (q = None):
+greedy verification keeps exactly plain greedy's output, and sampling verifies the tree
+with the sibling rule (``server.verify``), which keeps the target's distribution exactly.
+
+Draft cost model (FLOPs, in target-pass units, per verification pass): each head run
+costs its block and one application of the 4096-way LM head, against one token through
+the whole target (``early_exit``'s unit)::
+
+    cost = d * (dim^2 + V * dim) / (L * layer_macs + V * dim)
+
+with d the tree's depth this step. For micro (dim 160, V 4096, L 4, layer_macs 286,720)
+a head is 680,960 of 1,802,240 multiply-adds, 0.378 of a pass: the 4096-way head dominates,
+so four heads cost 1.51 passes and the tree must earn it back in accepted tokens. Medusa
+heads are cheap on large models, where the head is a sliver of a pass; on micro they are not.
+
+Files. ``<checkpoint_dir>/<model>-medusa.safetensors`` holds ``weight`` (K, dim, dim) and
+``bias`` (K, dim) in float32 (the shared LM head is not stored; metadata: num_heads, dim,
+target); ``<model>-medusa.json`` is the record: command, minutes, steps, tokens, the
+training settings, and ``heldout`` = {tokens, top_k, accuracy: per head the cumulative
+top-1..top-k accuracy on the held-out split, target_top1}. Weights load once per model into
+``env.shared`` and are cast to the target's dtype.
+
+Training: ``nodraft train medusa --model micro [--minutes 10] [--threads 1]``
+(``drafters.medusa_train``). Held-out accuracies of any weights: ``evaluate_heads``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import heapq
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from drafters.base import Draft, DraftContext
+from drafters.early_exit import layer_macs
+from drafters.registry import DrafterEnv, SpeculationError
+from micro.model import Micro, MicroConfig
+
+SUFFIX = "medusa"
+
+
+# -- the heads --------------------------------------------------------------------------------
+class MedusaHeads(nn.Module):
+    """K residual SiLU blocks; the target's ``head`` turns their outputs into logits."""
+
+    def __init__(self, num_heads: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, dim, dim))  # (K, out, in), zero init
+        self.bias = nn.Parameter(torch.zeros(num_heads, dim))  # (K, dim)
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    def block(self, h: Tensor, i: int) -> Tensor:
+        """Head i's residual block on h (..., dim) -> (..., dim)."""
+        return h + F.silu(F.linear(h, self.weight[i], self.bias[i]))
+
+    def forward(self, h: Tensor, heads: int | None = None) -> Tensor:
+        """The first ``heads`` blocks on h (..., dim) -> (..., heads, dim)."""
+        k = self.num_heads if heads is None else heads
+        y = torch.einsum("...d,ked->...ke", h, self.weight[:k]) + self.bias[:k]
+        return h.unsqueeze(-2) + F.silu(y)
+
+    def logits(self, model: Micro, h: Tensor, heads: int | None = None) -> Tensor:
+        """Logits (..., heads, V) of the first ``heads`` heads, through the target's head."""
+        return model.head(self(h, heads))
+
+
+def head_cost(c: MicroConfig) -> float:
+    """One head's FLOPs (block + LM head) over one token through the target."""
+    head = c.vocab_size * c.dim
+    return (c.dim * c.dim + head) / (c.n_layers * layer_macs(c) + head)
+
+
+# -- files ------------------------------------------------------------------------------------
+def weights_path(directory: Path, model_name: str) -> Path:
+    return Path(directory) / f"{model_name}-{SUFFIX}.safetensors"
+
+
+def save_heads(heads: MedusaHeads, model_name: str, record: dict, directory: Path) -> Path:
+    """``<model>-medusa.safetensors`` (float32) and ``<model>-medusa.json`` (the record)."""
+    path = weights_path(directory, model_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"weight": heads.weight.detach().float().contiguous(),
+             "bias": heads.bias.detach().float().contiguous()}
+    save_file(state, path, metadata={"num_heads": str(heads.num_heads),
+                                     "dim": str(heads.weight.shape[-1]), "target": model_name})
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def heads_from_state(state: dict[str, Tensor]) -> MedusaHeads:
+    K, dim, _ = state["weight"].shape
+    heads = MedusaHeads(K, dim)
+    heads.load_state_dict(state)
+    return heads.eval().requires_grad_(False)
+
+
+def load_heads(env: DrafterEnv) -> tuple[MedusaHeads, dict]:
+    """The model's heads (cast to the target's dtype) and record, loaded once per model
+    into ``env.shared``. Missing weights are a SpeculationError that says how to train them."""
+    path = weights_path(env.checkpoint_dir, env.model_name)
+    dtype = env.model.tok_embeddings.weight.dtype
+    key = (str(path), dtype)
+    cached = env.shared.get("medusa_heads")
+    if cached is not None and cached[0] == key:
+        return cached[1], cached[2]
+    record_path = path.with_suffix(".json")
+    if not path.exists() or not record_path.exists():
+        raise SpeculationError(
+            f"no Medusa heads for {env.model_name!r} (looked for {path.name} and "
+            f"{record_path.name} in {path.parent}); train them with "
+            f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
+    heads = heads_from_state(load_file(str(path))).to(dtype)
+    record = json.loads(record_path.read_text())
+    accuracy = record.get("heldout", {}).get("accuracy")
+    if not accuracy or len(accuracy) < heads.num_heads:
+        raise SpeculationError(
+            f"{record_path.name} lacks the heads' held-out accuracies (heldout.accuracy, one "
+            f"row per head) the tree is built from; retrain them with "
+            f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
+    if heads.weight.shape[-1] != env.model.config.dim:
+        raise SpeculationError(
+            f"the Medusa heads in {path.name} have width {heads.weight.shape[-1]}, but "
+            f"{env.model_name!r} has width {env.model.config.dim}; retrain them with "
+            f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
+    env.shared["medusa_heads"] = (key, heads, record)
+    return heads, record
+
+
+# -- the tree ---------------------------------------------------------------------------------
+def rank_accuracies(topk_accuracy: list[list[float]]) -> list[list[float]]:
+    """Cumulative top-1..top-k accuracy per head -> P(the rank-r token is the right one)."""
+    return [[max(0.0, c - (row[r - 1] if r else 0.0)) for r, c in enumerate(row)]
+            for row in topk_accuracy]
+
+
+@dataclass(frozen=True)
+class MedusaTree:
+    """Nodes in greedy order (parents first): the ranks' path, its parent node, and the
+    path's acceptance probability."""
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: Tensor  # (n,) parent node index, -1 = the current token
+    depth: Tensor  # (n,) 1 = child of the current token; node's token comes from head depth-1
+    rank: Tensor  # (n,) rank of the node's token in its head's top-k
+    value: tuple[float, ...]  # (n,) prod of the rank accuracies along the path
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def expected_accepted(self, n: int | None = None) -> float:
+        """Expected accepted draft tokens per pass of the first n nodes (independent heads)."""
+        return float(sum(self.value[:n]))
+
+
+@lru_cache(maxsize=256)
+def build_tree(rank_acc: tuple[tuple[float, ...], ...], total_tokens: int) -> MedusaTree:
+    """Medusa's sparse tree: greedy expansion by expected accepted length.
+
+    rank_acc[i][r] is the chance that head i's rank-r token is right. Repeatedly add the
+    frontier node with the largest product of rank accuracies along its path (ties: the
+    lexicographically smaller path), until ``total_tokens`` nodes or nothing left worth
+    a draft token (a zero product)."""
+    frontier = [(-a, (r,)) for r, a in enumerate(rank_acc[0])] if rank_acc else []
+    heapq.heapify(frontier)
+    paths: list[tuple[int, ...]] = []
+    values: list[float] = []
+    index: dict[tuple[int, ...], int] = {}
+    while frontier and len(paths) < total_tokens:
+        neg, path = heapq.heappop(frontier)
+        if -neg <= 0.0:
+            break
+        index[path] = len(paths)
+        paths.append(path)
+        values.append(-neg)
+        if len(path) < len(rank_acc):
+            for r, a in enumerate(rank_acc[len(path)]):
+                heapq.heappush(frontier, (neg * a, path + (r,)))
+    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+    return MedusaTree(tuple(paths), torch.tensor(parents, dtype=torch.long),
+                      torch.tensor([len(p) for p in paths], dtype=torch.long),
+                      torch.tensor([p[-1] for p in paths], dtype=torch.long), tuple(values))
+
+
+# -- the drafter ------------------------------------------------------------------------------
+class Medusa:
+    name = "medusa"
+
+    @dataclass(frozen=True)
+    class Params:
+        num_heads: int = 4  # heads used = the tree's depth limit; at most the trained K
+        total_tokens: int = 16  # the tree's size: draft tokens per step
+        top_k: int = 10  # ranks per head the tree may use (at most the measured k)
+
+        def __post_init__(self):
+            if not 1 <= self.num_heads <= 16:
+                raise ValueError("num_heads must be in 1..16 (and at most the trained heads)")
+            if not 1 <= self.total_tokens <= 64:
+                raise ValueError("total_tokens must be in 1..64")
+            if not 1 <= self.top_k <= 64:
+                raise ValueError("top_k must be in 1..64")
+
+    @staticmethod
+    def check(params: Params, env: DrafterEnv) -> None:
+        """Before the request is queued: the heads exist and are enough for num_heads."""
+        path = weights_path(env.checkpoint_dir, env.model_name)
+        record_path = path.with_suffix(".json")
+        if not path.exists() or not record_path.exists():
+            raise SpeculationError(
+                f"no Medusa heads for {env.model_name!r}; train them with "
+                f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
+        trained = len(json.loads(record_path.read_text()).get("heldout", {}).get("accuracy", []))
+        if params.num_heads > trained:
+            raise SpeculationError(
+                f"num_heads={params.num_heads}, but {env.model_name!r} has {trained} trained "
+                "Medusa heads", "speculation.num_heads")
+
+    def __init__(self, params: Params, env: DrafterEnv):
+        self.params = params
+        self.model = env.model
+        self.heads, self.record = load_heads(env)
+        if params.num_heads > self.heads.num_heads:
+            raise SpeculationError(
+                f"num_heads={params.num_heads}, but {env.model_name!r} has "
+                f"{self.heads.num_heads} trained Medusa heads", "speculation.num_heads")
+        accuracy = self.record["heldout"]["accuracy"]
+        k = min(params.top_k, env.model.config.vocab_size)
+        rank_acc = tuple(tuple(row[:k]) for row in rank_accuracies(accuracy)[:params.num_heads])
+        self.tree = build_tree(rank_acc, params.total_tokens)
+        self.top_k = int(self.tree.rank.max()) + 1 if len(self.tree) else 1  # ranks used
+        self.cost_per_head = head_cost(env.model.config)
+        # the deepest node among the first n, for every n: the heads a truncated tree needs
+        self.depth_of_prefix = [0, *np.maximum.accumulate(self.tree.depth.numpy()).tolist()]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        n = min(budget, len(self.tree))
+        if n == 0 or ctx.last_hidden is None:
+            return Draft.empty()
+        depth = self.depth_of_prefix[n]
+        logits = self.heads.logits(self.model, ctx.last_hidden[-1], depth)  # (depth, V)
+        top = logits.topk(self.top_k, dim=-1).indices  # (depth, top_k)
+        tree = self.tree
+        tokens = top[tree.depth[:n] - 1, tree.rank[:n]]
+        parents = tree.parents[:n]
+        if bool((parents == torch.arange(-1, n - 1)).all()):
+            parents = None  # a chain: verified with the plain causal mask
+        return Draft(tokens, parents, cost=depth * self.cost_per_head)
+
+    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        pass
+
+
+# -- held-out accuracy ------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_heads(model: Micro, heads: MedusaHeads | dict | str | Path, stream,
+                   top_k: int = 10, T: int = 512, max_tokens: int = 65_536,
+                   batch: int = 8) -> dict:
+    """Top-1..top-k accuracy of each head on ``stream`` (held-out: ``token_stream(tok,
+    "heldout")``), over consecutive windows of T + 1 tokens; head i at position j is scored
+    against token j + 2 + i of its window. ``heads`` is a MedusaHeads, its state dict, or
+    a ``.safetensors`` path.
+
+    Returns {"tokens", "top_k", "accuracy": [[top-1, ..., top-k] per head], "top1": [per
+    head], "target_top1": the target's own next-token top-1 on the same windows}."""
+    if isinstance(heads, (str, Path)):
+        heads = load_file(str(heads))
+    if isinstance(heads, dict):
+        heads = heads_from_state(heads)
+    dtype = model.tok_embeddings.weight.dtype
+    if heads.weight.dtype != dtype:
+        heads = copy.deepcopy(heads).to(dtype)
+    K, L = heads.num_heads, model.config.n_layers
+    top_k = min(top_k, model.config.vocab_size)
+    ids = torch.as_tensor(np.asarray(stream[:max_tokens + 1]), dtype=torch.long)
+    n_windows = (len(ids) - 1) // T
+    hits = torch.zeros(K, top_k, dtype=torch.long)
+    counts = torch.zeros(K, dtype=torch.long)
+    target_hits = target_count = 0
+    for b in range(0, n_windows, batch):
+        rows = min(batch, n_windows - b)
+        x = torch.stack([ids[(b + r) * T:(b + r + 1) * T + 1] for r in range(rows)])  # (B, T+1)
+        pos = torch.arange(T + 1).expand(rows, T + 1)
+        h = model.run_layers(model.embed(x), pos, 0, L)  # (B, T+1, dim)
+        target_hits += int((model.head(h[:, :-1]).argmax(-1) == x[:, 1:]).sum())
+        target_count += x[:, 1:].numel()
+        for i in range(K):
+            span = T + 1 - (2 + i)  # positions j whose label j + 2 + i is in the window
+            if span <= 0:
+                continue
+            logits = model.head(heads.block(h[:, :span], i))  # (B, span, V)
+            top = logits.topk(top_k, dim=-1).indices  # (B, span, k)
+            found = (top == x[:, 2 + i:, None]).flatten(0, 1)  # (N, k), at most one per row
+            hits[i] += found.cumsum(-1).clamp_max(1).sum(0)
+            counts[i] += found.shape[0]
+    accuracy = [[round(float(hits[i, r]) / max(1, int(counts[i])), 4) for r in range(top_k)]
+                for i in range(K)]
+    return {"tokens": int(n_windows * T), "top_k": top_k, "accuracy": accuracy,
+            "top1": [row[0] for row in accuracy],
+            "target_top1": round(target_hits / max(1, target_count), 4)}
+
+
+# -- untrained heads for tests ----------------------------------------------------------------
+def write_untrained(model: Micro, model_name: str, directory: Path, num_heads: int = 4,
+                    top_k: int = 5) -> Path:
+    """Random, non-zero heads for ``model`` and a plausible record (accuracies falling with
+    the head and the rank), so tests on tiny random models draft real trees."""
+    dim = model.config.dim
+    seed = int.from_bytes(hashlib.sha256(model_name.encode()).digest()[:4], "big")
+    gen = torch.Generator().manual_seed(seed)
+    heads = MedusaHeads(num_heads, dim)
+    with torch.no_grad():
+        heads.weight.copy_(torch.randn(num_heads, dim, dim, generator=gen) / dim ** 0.5)
+        heads.bias.copy_(0.1 * torch.randn(num_heads, dim, generator=gen))
+    accuracy = []
+    for i in range(num_heads):
+        top1 = 0.6 * 0.7 ** i
+        marginal = [top1 * 0.4 ** r for r in range(top_k)]
+        accuracy.append([round(float(c), 4) for c in np.cumsum(marginal)])
+    record = {"name": f"{model_name}-{SUFFIX}", "target": model_name,
+              "command": "drafters.medusa.write_untrained (random heads for tests)",
+              "untrained": True, "minutes": 0.0, "steps": 0, "tokens": 0,
+              "num_heads": num_heads,
+              "heldout": {"tokens": 0, "top_k": top_k, "accuracy": accuracy,
+                          "top1": [row[0] for row in accuracy], "target_top1": 0.0}}
+    return save_heads(heads, model_name, record, directory)

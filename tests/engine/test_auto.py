@@ -1,0 +1,54 @@
+"""``auto``: the drafter with the best expected goodput each step, figures attributed."""
+
+import pytest
+import torch
+
+from drafters.auto import Auto, expected_tokens
+from drafters.registry import Registry, SpeculationError
+from tests.conftest import tiny_model
+from tests.engine.helpers import generate, drafter_env
+
+MODEL = tiny_model()
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 0) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_auto_drafts_from_a_match_and_says_which_drafter_proposed():
+    prompt = [5, 9, 11, 3, 7, 2] * 8
+    want = generate(MODEL, prompt, 40)[0]
+    got, seq, steps = generate(MODEL, prompt, 40, "auto", {"candidates": "prompt_lookup,suffix"})
+    assert got == want
+    by = seq.stats_by_method
+    assert set(by) <= {"prompt_lookup", "suffix", "none"}
+    assert sum(s.accepted for s in by.values()) == seq.stats.accepted > 0
+    assert {s.method for s in steps if s.draft} <= {"prompt_lookup", "suffix"}
+    # every pass is attributed to exactly one drafter
+    assert sum(s.target_passes for s in by.values()) == seq.stats.target_passes
+
+
+def test_auto_falls_back_to_none_when_nothing_matches():
+    prompt = list(range(1, 40))  # no repeated n-gram, no global history
+    _, seq, steps = generate(MODEL, prompt, 2, "auto", {"candidates": "prompt_lookup"})
+    assert steps[0].draft == [] and steps[0].method == "none"
+
+
+def test_auto_skips_trained_drafters_without_weights_and_rejects_unknown_candidates():
+    env = drafter_env(MODEL)
+    env.model_name = "no-such-model"  # nothing trained for it
+    reg = Registry()
+    _, p = reg.parse({"method": "auto", "candidates": "prompt_lookup,eagle,medusa"})
+    auto = Auto(p, env)
+    assert list(auto.drafters) == ["prompt_lookup"]
+    with pytest.raises(SpeculationError):
+        reg.parse({"method": "auto", "candidates": "prompt_lookup,early_exit"})
+
+
+def test_acceptance_learned_by_one_request_informs_the_next():
+    shared: dict = {}
+    prompt = [4, 8, 15, 16, 23, 42] * 6
+    generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
+    est = shared["prompt_lookup"] if "prompt_lookup" in shared and "auto_alpha" not in shared else shared
+    assert "auto_alpha" in est and est["auto_alpha"]["prompt_lookup"].accepted > 1.0

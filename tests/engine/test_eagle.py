@@ -1,0 +1,250 @@
+"""EAGLE: the dynamic tree, the draft KV cache across steps, training and loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafters.base import DraftContext
+from drafters.eagle import Eagle, evaluate_head, features, load_head_state, unroll, write_untrained
+from drafters.registry import DrafterEnv, SpeculationError
+from micro.model import KVCache
+from tests.conftest import TINY, tiny_model
+from tests.engine.helpers import REGISTRY, generate
+
+MODEL = tiny_model(seed=1)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> DrafterEnv:
+    d = tmp_path_factory.mktemp("eagle")
+    write_untrained(MODEL, "tiny", d)
+    return DrafterEnv("tiny", MODEL, {}, checkpoint_dir=d)
+
+
+def prefilled(prompt: list[int]) -> DraftContext:
+    """A context as the sequence leaves it after the prefill."""
+    cache = KVCache(MODEL.config, 1, dtype=torch.float64)
+    hidden: list[torch.Tensor] = []
+    with torch.inference_mode():
+        MODEL(torch.tensor([prompt[:-1]]), cache=cache, hidden=hidden)
+    cache.advance(0, len(prompt) - 1)
+    return DraftContext(list(prompt), len(prompt), MODEL, cache, 0, hidden[-1][0])
+
+
+def commit(ctx: DraftContext, accepted: list[int], bonus: int) -> None:
+    """What verification leaves behind: [current, *accepted] cached, their final hidden
+    states in last_hidden, accepted + bonus appended."""
+    n = ctx.n_cached
+    hidden: list[torch.Tensor] = []
+    with torch.inference_mode():
+        MODEL(torch.tensor([[ctx.tokens[-1], *accepted]]), cache=ctx.cache, start=n, hidden=hidden)
+    ctx.cache.advance(0, 1 + len(accepted))
+    ctx.last_hidden = hidden[-1][0]
+    ctx.tokens.extend(accepted + [bonus])
+
+
+def from_scratch(ctx: DraftContext, env: DrafterEnv, params: Eagle.Params, budget: int = 64):
+    """A new drafter on a copy of the context with no state and no hidden states: it must
+    rebuild its cache from the target's features alone."""
+    fresh = DraftContext(list(ctx.tokens), ctx.prompt_len, ctx.model, ctx.cache, 0)
+    return Eagle(params, env).propose(fresh, budget)
+
+
+def reference_tree(drafter: Eagle, ctx: DraftContext, budget: int = 64):
+    """EAGLE-2's tree built the slow way: every node's feature from its own sequential
+    forwards along its path (no batching, no tree mask), then the same selection."""
+    p, L, m = drafter.params, drafter.loaded, MODEL
+    n, c = ctx.n_cached, MODEL.config
+    layer = drafter.layer
+
+    def run(rows_x: torch.Tensor, start: int, k, v) -> torch.Tensor:
+        pos = torch.arange(start, start + rows_x.shape[0])
+        cos, sin = m.rope_cos[pos][None, None], m.rope_sin[pos][None, None]
+        mask = None if rows_x.shape[0] == 1 or start == 0 else \
+            torch.ones(rows_x.shape[0], start + rows_x.shape[0], dtype=torch.bool).tril(start)
+        return layer.forward(rows_x[None], cos, sin, (k, v), start, mask)[0]
+
+    hidden: list[torch.Tensor] = []
+    m(torch.tensor([ctx.tokens[:n]]), hidden=hidden)
+    k = torch.zeros(c.n_heads, n + 64, c.head_dim, dtype=torch.float64)
+    v = torch.zeros_like(k)
+    x = L.tok_proj[torch.tensor(ctx.tokens[1:n + 1])] + features(m, hidden[-1][0]) @ L.w_feat_t
+    root = run(x, 0, k, v)[-1]
+
+    def log_q(f):
+        return (f @ L.w_draft_t).log_softmax(-1)
+
+    def feature_of(path: list[int]) -> torch.Tensor:  # path: draft-vocab indices
+        kk, vv = k.clone(), v.clone()
+        f = root
+        for i, t in enumerate(path):
+            f = run((L.tok_proj_draft[t] + f @ L.w_feat_t)[None], n + i, kk, vv)[0]
+        return f
+
+    depth = min(p.depth, budget)
+    nodes = []  # (token index, parent, score, path)
+    s, i = log_q(root).topk(p.top_k)
+    frontier = []
+    for sc, t in zip(s.tolist(), i.tolist()):
+        nodes.append((t, -1, sc, [t]))
+        frontier.append(len(nodes) - 1)
+    for _ in range(2, depth + 1):
+        level = []
+        for f in frontier:
+            t, _, sc, path = nodes[f]
+            cs, ci = log_q(feature_of(path)).topk(p.top_k)
+            for s2, t2 in zip(cs.tolist(), ci.tolist()):
+                nodes.append((t2, f, sc + s2, path + [t2]))
+                level.append(len(nodes) - 1)
+        frontier = sorted(level, key=lambda j: -nodes[j][2])[:p.top_k]
+    keep = min(p.total_tokens - 1, budget, len(nodes))
+    order = sorted(range(len(nodes)), key=lambda j: (-nodes[j][2], len(nodes[j][3])))[:keep]
+    sel = sorted(order)
+    new = {j: a for a, j in enumerate(sel)}
+    tokens = [int(drafter.draft_vocab[nodes[j][0]]) for j in sel]
+    parents = [-1 if nodes[j][1] < 0 else new[nodes[j][1]] for j in sel]
+    return tokens, parents
+
+
+def as_lists(draft):
+    parents = (draft.parents.tolist() if draft.parents is not None
+               else list(range(-1, len(draft) - 1)))
+    return draft.tokens.tolist(), parents
+
+
+@pytest.mark.parametrize("params", [Eagle.Params(), Eagle.Params(depth=3, top_k=3, total_tokens=9),
+                                    Eagle.Params(depth=5, top_k=2, total_tokens=30),
+                                    Eagle.Params(depth=1, top_k=5, total_tokens=4)])
+def test_the_dynamic_tree_is_eagle2s(env, params):
+    ctx = prefilled([3, 9, 27, 17, 51, 25, 11, 33, 35, 41])
+    drafter = Eagle(params, env)
+    draft = drafter.propose(ctx, 64)
+    tokens, parents = as_lists(draft)
+    assert (tokens, parents) == reference_tree(drafter, ctx)
+    assert len(tokens) == min(params.total_tokens - 1,
+                              params.top_k + (params.depth - 1) * params.top_k ** 2)
+    depth = draft.depths()
+    assert max(depth) <= params.depth
+    assert all(pa < i for i, pa in enumerate(parents))  # parents before children
+    assert sum(d == 1 for d in depth) <= params.top_k
+    assert all(parents.count(i) <= params.top_k for i in range(len(parents)))
+    assert all(0 <= t < TINY.vocab_size for t in tokens)
+    assert set(tokens) <= set(drafter.draft_vocab.tolist())
+    assert draft.probs is None  # the sibling rule verifies it, lossless under sampling
+    assert draft.cost == pytest.approx(params.depth * drafter.loaded.cost_per_forward)
+
+
+def test_the_budget_bounds_nodes_and_depth(env):
+    ctx = prefilled([1, 2, 3, 4, 5, 6])
+    drafter = Eagle(Eagle.Params(depth=6, top_k=4, total_tokens=40), env)
+    for budget in (1, 2, 3, 7):
+        draft = drafter.propose(ctx, budget)
+        assert 1 <= len(draft) <= budget
+        assert max(draft.depths()) <= budget
+        assert as_lists(draft) == reference_tree(drafter, ctx, budget)
+
+
+def test_the_draft_cache_follows_what_verification_commits(env):
+    """Incremental drafting (rows appended from last_hidden, scratch rows rolled back) gives
+    the same draft as drafting from scratch at every step, whatever was accepted."""
+    params = Eagle.Params(depth=4, top_k=3, total_tokens=14)
+    ctx = prefilled([7, 1, 30, 22, 5, 5, 61, 40])
+    drafter = Eagle(params, env)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(12):
+        draft = drafter.propose(ctx, 64)
+        assert as_lists(draft) == as_lists(from_scratch(ctx, env, params))
+        tokens, parents = as_lists(draft)
+        path: list[int] = []  # accept a random root-to-node path of the tree (0..depth long)
+        want = int(torch.randint(0, 5, (1,), generator=gen))
+        node = -1
+        while len(path) < want:
+            kids = [i for i, pa in enumerate(parents) if pa == node]
+            if not kids:
+                break
+            node = kids[int(torch.randint(0, len(kids), (1,), generator=gen))]
+            path.append(tokens[node])
+        commit(ctx, path, int(torch.randint(0, TINY.vocab_size, (1,), generator=gen)))
+        drafter.observe(ctx, path)
+
+
+def test_a_missed_step_is_recomputed(env):
+    params = Eagle.Params()
+    ctx = prefilled([4, 8, 15, 16, 23, 42])
+    drafter = Eagle(params, env)
+    drafter.propose(ctx, 64)
+    commit(ctx, [], 9)  # a step the drafter never hears of
+    commit(ctx, [3, 5], 7)
+    assert as_lists(drafter.propose(ctx, 64)) == as_lists(from_scratch(ctx, env, params))
+
+
+def test_training_and_drafting_compute_the_same_features(env):
+    """``unroll`` (training, evaluation) and the drafter's cache + tree mask agree: a top-1
+    chain drafted at run time is the argmax of the unrolled steps fed that chain."""
+    params = Eagle.Params(depth=4, top_k=1, total_tokens=5)
+    ctx = prefilled([2, 4, 6, 8, 10, 12, 14])
+    drafter = Eagle(params, env)
+    chain = drafter.propose(ctx, 64).tokens.tolist()
+    n = ctx.n_cached
+    text = torch.tensor([ctx.tokens + chain[:-1]])
+    hidden: list[torch.Tensor] = []
+    MODEL(torch.tensor([ctx.tokens[:n]]), hidden=hidden)
+    feats = torch.zeros(1, text.shape[1] - 1, TINY.dim, dtype=torch.float64)
+    feats[0, :n] = features(MODEL, hidden[-1][0])
+    outs = unroll(drafter.loaded.head, MODEL, text[:, 1:], feats, params.depth)
+    w = drafter.loaded.w_draft_t
+    got = [int(drafter.draft_vocab[(outs[j][0, n - 1 + j] @ w).argmax()]) for j in range(4)]
+    assert got == chain
+
+
+def test_missing_weights_say_how_to_train_them(tmp_path):
+    with pytest.raises(SpeculationError, match="nodraft train eagle --model nowhere"):
+        REGISTRY.build("eagle", Eagle.Params(), DrafterEnv("nowhere", MODEL, {},
+                                                           checkpoint_dir=tmp_path))
+
+
+def test_parameters_are_checked():
+    for bad in ({"depth": 0}, {"top_k": 0}, {"total_tokens": 1}, {"total_tokens": 66}):
+        with pytest.raises(SpeculationError):
+            REGISTRY.parse({"method": "eagle", **bad})
+
+
+def test_the_head_loads_once_per_model(env):
+    first = Eagle(Eagle.Params(), env)
+    assert Eagle(Eagle.Params(depth=2), env).loaded is first.loaded
+
+
+def test_a_one_token_prompt_and_greedy_equivalence(env):
+    want, _, _ = generate(MODEL, [5], 12)
+    drafter = Eagle(Eagle.Params(), env)
+    got, seq, steps = generate(MODEL, [5], 12, drafter=drafter)
+    assert got == want and len(steps[0].draft) == 0 and seq.stats.drafter_errors == 0
+
+
+def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
+    from drafters.eagle_train import main
+    from micro.checkpoint import load_model, load_tokenizer
+    from micro.data import token_stream
+
+    main(["--model", "micro", "--steps", "3", "--batch-size", "2", "--seq-len", "64",
+          "--ttt-steps", "2", "--eval-windows", "4", "--eval-depth", "3", "--timing-repeats", "3",
+          "--checkpoints", str(checkpoint_dir), "--save-to", str(tmp_path), "--out", str(tmp_path),
+          "--threads", "1"])
+    record = json.loads((tmp_path / "micro-eagle.json").read_text())
+    assert record["steps"] == 3 and len(record["heldout"]["top1_by_position"]) == 3
+    assert record["draft_step"]["vocab_1024_us"] > 0 and record["draft_step"]["vocab_4096_us"] > 0
+    model = load_model("micro", checkpoint_dir)
+    _, state = load_head_state(tmp_path, "micro")
+    assert state["draft_vocab"].numel() == 1024
+    tok = load_tokenizer()
+    acc = evaluate_head(model, state, token_stream(tok, "heldout"), depth=2, windows=2,
+                        seq_len=32)
+    assert len(acc["top1_by_position"]) == 2
+    prompt = tok.encode("def fibonacci(n):\n    ")
+    want, _, _ = generate(model, prompt, 16, dtype=torch.float32)
+    drafter = Eagle(Eagle.Params(), DrafterEnv("micro", model, {}, checkpoint_dir=tmp_path))
+    got, seq, _ = generate(model, prompt, 16, drafter=drafter, dtype=torch.float32)
+    assert got == want and seq.stats.drafter_errors == 0
