@@ -33,6 +33,10 @@ METHODS = [
     ("early_exit", {"exit_layer": 1}),
     ("early_exit", {"exit_layer": 2}),
     ("early_exit", {"exit_layer": 3}),
+    ("medusa", {}),
+    ("eagle", {}),
+    ("lookahead", {}),
+    ("auto", {}),
 ]
 
 

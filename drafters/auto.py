@@ -10,8 +10,9 @@ target pass over ``1 + k`` rows. The candidates, and the signals each is judged 
   draft. A match's draft is trimmed to the length where one more token stops paying.
 - ``eagle`` and ``medusa``: when the model has trained weights. Their draft is not free
   (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
-  their recent acceptance and measured drafting time first, and only drafts with the one
-  it picks.
+  their recent acceptance and measured drafting time first (one target pass until
+  measured), and only drafts with the one it picks. On this 2-core CPU a draft step costs
+  nearly a pass, so they rarely pay and auto mostly leaves them out.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 
 ``alpha`` per drafter is accepted / (accepted + rejections) over the request's recent
@@ -165,9 +166,13 @@ class Auto:
                 best_name, best_draft, best_g = name, draft, g
         for name in (n for n in TRAINED if n in self.drafters):
             alpha = self.est[name].alpha
-            seconds = self.draft_seconds.get(name, 0.0)
-            depth = min(budget, getattr(self.drafters[name], "expected_depth", 4))
-            rows = min(budget, getattr(self.drafters[name], "expected_rows", depth))
+            # not yet measured on this server: assume a draft step costs one target pass
+            # (EAGLE's measured 0.8-0.9 of a pass here, Medusa's 0.7), so it is tried only
+            # when that would still pay
+            seconds = self.draft_seconds.get(name, self.a + self.b)
+            p = self.drafters[name].params  # EAGLE: depth, total_tokens; Medusa: num_heads
+            depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
+            rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))
             g = self._goodput(alpha, depth, rows, seconds)
             if g > best_g:
                 draft = self._timed(name, ctx, budget)

@@ -413,6 +413,15 @@ class Eagle:
             if not 2 <= self.total_tokens <= 65:
                 raise ValueError("total_tokens must be in 2..65 (64 draft nodes at most)")
 
+    @staticmethod
+    def check(params: Params, env: DrafterEnv) -> None:
+        """Before the request is queued: the model has a trained head."""
+        path = weights_path(env.checkpoint_dir, env.model_name)
+        if not path.exists():
+            raise SpeculationError(
+                f"no EAGLE head for model {env.model_name!r}; train one with "
+                f"`nodraft train eagle --model {env.model_name}`", "speculation.method")
+
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
         self.loaded = load_for(env)
