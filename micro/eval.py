@@ -1,4 +1,5 @@
-"""``nodraft eval [--json]``: what every checkpoint and variant knows about held-out text.
+"""What every checkpoint and variant knows about held-out text (``nodraft eval [--json]``,
+whose command, in ``drafters.evaluation``, adds the trained drafters' figures).
 
 For each checkpoint and variant (``micro.variants``): parameters, bytes, held-out loss
 (nats per token), bits per byte, greedy decode tokens/s; the held-out loss when exiting
@@ -22,7 +23,6 @@ standard library; any difference is said plainly.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import json
@@ -256,15 +256,3 @@ def render(r: dict) -> str:
                      f"-> second {cp['loss_second']:.3f}, edit followed {cp['edit_follow']:.1%}")
     return "\n".join(lines)
 
-
-def main(argv: list[str] | None = None) -> None:
-    from pathlib import Path
-
-    p = argparse.ArgumentParser(prog="nodraft eval")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR))
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate a prefix only")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    args = p.parse_args(argv)
-    r = evaluate(Path(args.checkpoints), args.max_tokens, tuple(args.variants.split(",")))
-    print(json.dumps(r, indent=1) if args.json else render(r))
