@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv, SpeculationError
+from drafters.registry import DrafterEnv, Registry, SpeculationError
 from micro.model import KVCache
 
 CHEAP = ("prompt_lookup", "suffix")
@@ -109,8 +109,6 @@ class Auto:
                 raise ValueError("num_speculative_tokens must be in 1..64")
 
     def __init__(self, params: Params, env: DrafterEnv):
-        from drafters.registry import Registry
-
         self.params = params
         registry = Registry(plugins=False)
         self.drafters: dict[str, object] = {}
@@ -159,7 +157,7 @@ class Auto:
             depth = max(draft.depths())
             if draft.parents is None:  # a chain: trim to the best length
                 g, k = max((self._goodput(alpha, k, k, 0.0), k) for k in range(1, len(draft) + 1))
-                draft = _prefix(draft, k)
+                draft = draft.prefix(k)
             else:
                 g = self._goodput(alpha, depth, len(draft), 0.0)
             if g > best_g:
@@ -205,7 +203,3 @@ class Auto:
             if close is not None:
                 close(self._ctx(ctx, name))
 
-
-def _prefix(draft: Draft, k: int) -> Draft:
-    return dataclasses.replace(draft, tokens=draft.tokens[:k],
-                               probs=None if draft.probs is None else draft.probs[:k])

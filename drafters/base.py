@@ -26,6 +26,7 @@ is verified in one pass over [c, def, class, f, A] at positions n, n+1, n+1, n+2
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -63,6 +64,14 @@ class Draft:
     @property
     def n_aux(self) -> int:
         return 0 if self.aux_tokens is None else int(self.aux_tokens.numel())
+
+    def prefix(self, keep: int) -> "Draft":
+        """The first ``keep`` nodes (parents precede children: any prefix is a valid tree)."""
+        return dataclasses.replace(
+            self, tokens=self.tokens[:keep],
+            parents=None if self.parents is None else self.parents[:keep],
+            probs=None if self.probs is None else self.probs[:keep],
+            exit_hidden=None if self.exit_hidden is None else self.exit_hidden[:keep])
 
     @staticmethod
     def empty() -> "Draft":

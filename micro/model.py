@@ -274,7 +274,7 @@ class Segment:
 NARROW = 16  # segments up to this many rows share one padded attention call
 
 
-def _packed_attention_plan(segments: list[Segment], cache: KVCache):
+def _packed_attention_plan(segments: list[Segment], offsets: list[int], n_rows: int):
     """Index maps and masks for one packed pass, built once and reused by every layer.
 
     Narrow segments (drafts being verified) attend together: a batch over the slot range
@@ -282,10 +282,6 @@ def _packed_attention_plan(segments: list[Segment], cache: KVCache):
     (a view, no copy) up to the longest context, and a boolean (S, 1, Tq, ctx) mask. Wide
     segments (prefill chunks) attend one by one, each with its own causal mask.
     """
-    offsets, o = [], 0
-    for s in segments:
-        offsets.append(o)
-        o += len(s)
     narrow = [i for i, s in enumerate(segments) if len(s) <= NARROW]
     wide = [i for i, s in enumerate(segments) if len(s) > NARROW]
     plan = {"wide": [], "narrow": None}
@@ -301,7 +297,6 @@ def _packed_attention_plan(segments: list[Segment], cache: KVCache):
         hi = max(segments[i].slot for i in narrow) + 1
         Tq = max(len(segments[i]) for i in narrow)
         ctx = max(segments[i].start + len(segments[i]) for i in narrow)
-        n_rows = o
         src = torch.full(((hi - lo) * Tq,), n_rows, dtype=torch.long)  # n_rows = a zero row
         mask = torch.zeros(hi - lo, Tq, ctx, dtype=torch.bool)
         mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
@@ -334,7 +329,8 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
     N = ids.numel()
     slot_idx = torch.cat([torch.full((len(s),), s.slot, dtype=torch.long) for s in segments])
     row_idx = torch.cat([torch.arange(s.start, s.start + len(s)) for s in segments])
-    plan = _packed_attention_plan(segments, cache)
+    offsets = _offsets(segments)
+    plan = _packed_attention_plan(segments, offsets, N)
     cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
     h = model.tok_embeddings(ids)  # (N, dim)
     for li, layer in enumerate(model.layers):
@@ -360,20 +356,15 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
             y[rows] = yn.transpose(1, 2).reshape((hi - lo) * Tq, H, D)[dest]
         h = h + F.linear(y.view(N, H * D), layer.attention.wo.weight)
         h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
-    out, o = [], 0
-    need = [s.logits for s in segments]
-    if any(need):
-        sel = torch.cat([torch.arange(o_, o_ + len(s)) for s, o_ in
-                         zip(segments, _offsets(segments)) if s.logits])
+    if any(s.logits for s in segments):
+        sel = torch.cat([torch.arange(o, o + len(s)) for s, o in zip(segments, offsets) if s.logits])
         logits = model.head(h[sel])
-    j = 0
-    for s in segments:
-        T = len(s)
+    out, j = [], 0
+    for s, o in zip(segments, offsets):
         lg = None
         if s.logits:
-            lg, j = logits[j:j + T], j + T
-        out.append((lg, h[o:o + T]))
-        o += T
+            lg, j = logits[j:j + len(s)], j + len(s)
+        out.append((lg, h[o:o + len(s)]))
     return out
 
 

@@ -109,8 +109,8 @@ class Sequence:
         except Exception:  # a drafter that raises is contained: plain decoding this step
             self._drafter_error(self.method)
             return Draft.empty()
-        if len(draft) > budget:  # parents precede children: any prefix is a valid tree
-            draft = _truncate(draft, budget)
+        if len(draft) > budget:
+            draft = draft.prefix(budget)
         room = self.cache.max_len - len(self.tokens) - len(draft)  # rows left for aux
         if draft.n_aux and (draft.n_aux > room or draft.exit_layer):
             draft = dataclasses.replace(draft, aux_tokens=None, aux_pos=None, aux_mask=None)
@@ -158,10 +158,15 @@ class Sequence:
                              start=n, mask=m.block_mask(k + 1, n, None))
             self.ctx.aux_logits = None
             return m.head(h)[0], h[0]
-        ids, pos, tree_mask = self.block(draft)
         hidden: list[Tensor] = []
-        logits = m(ids[None], None if tree_mask is None else pos[None], cache=self.cache,
-                   slot=self.slot, start=n, tree_mask=tree_mask, hidden=hidden)
+        if draft.parents is None and not draft.n_aux:  # a chain: positions and mask implied
+            ids = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
+            logits = m(ids, cache=self.cache, slot=self.slot, start=n, hidden=hidden)
+            self.ctx.aux_logits = None
+            return logits[0], hidden[-1][0]
+        ids, pos, tree_mask = self.block(draft)
+        logits = m(ids[None], pos[None], cache=self.cache, slot=self.slot, start=n,
+                   tree_mask=tree_mask, hidden=hidden)
         return self.split(logits[0], hidden[-1][0], k)
 
     def split(self, logits: Tensor, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -284,14 +289,6 @@ def tree_attention_mask(parents: Tensor) -> Tensor:
         if p >= 0:
             mask[i + 1] |= mask[p + 1]
     return mask
-
-
-def _truncate(draft: Draft, keep: int) -> Draft:
-    return dataclasses.replace(
-        draft, tokens=draft.tokens[:keep],
-        parents=None if draft.parents is None else draft.parents[:keep],
-        probs=None if draft.probs is None else draft.probs[:keep],
-        exit_hidden=None if draft.exit_hidden is None else draft.exit_hidden[:keep])
 
 
 def _rejected_branch(draft: Draft, path: list[int]) -> list[int]:
