@@ -130,7 +130,7 @@ from torch import Tensor, nn
 
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, SpeculationError
-from micro.model import Block, Micro, MicroConfig, apply_rope
+from micro.model import Block, Micro, MicroConfig, additive_mask, apply_rope
 
 
 def layer_macs(c: MicroConfig) -> int:
@@ -469,7 +469,8 @@ class Eagle:
         else:
             pos = torch.arange(a, n)
             cos, sin = m.rope_cos[pos][None, None], m.rope_sin[pos][None, None]
-        mask = None if T == 1 or a == 0 else torch.ones(T, n, dtype=torch.bool).tril(a)
+        mask = None if T == 1 or a == 0 else additive_mask(
+            torch.ones(T, n, dtype=torch.bool).tril(a), x.dtype)
         out = self.layer.forward(x[None], cos, sin, (st.k, st.v), a, mask)
         st.rows, st.root = n, out[0, -1]
 
@@ -503,7 +504,8 @@ class Eagle:
             x = L.tok_proj_draft[f_idx] + f_feat @ L.w_feat_t  # (kf, dim)
             at = n + level - 2  # the frontier's position (depth level - 1)
             eye = torch.eye(kf, dtype=torch.bool)
-            mask = torch.cat([torch.ones(kf, n, dtype=torch.bool), anc, eye], dim=1)
+            mask = additive_mask(torch.cat([torch.ones(kf, n, dtype=torch.bool), anc, eye],
+                                           dim=1), x.dtype)
             out = self.layer.forward(x[None], m.rope_cos[at], m.rope_sin[at], (st.k, st.v),
                                      n + used, mask)[0]
             c_score, c_idx = log_q(out).topk(min(p.top_k, L.w_draft_t.shape[1]), dim=-1)

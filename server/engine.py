@@ -3,7 +3,8 @@
 asyncio never touches a model. The API submits a ``GenerationRequest`` with a callback;
 the engine thread admits it when a KV slot is free (at most ``max_running`` sequences, at
 most ``max_waiting`` queued, else ``QueueFull``) and reports each step's tokens through
-the callback (the API hops them onto the event loop with ``call_soon_threadsafe``).
+the callback. Step events are held until the iteration's passes are done, then delivered
+together (the API's ``EventPump`` then wakes the event loop once for all of them).
 Cancelling a request -- a client that went away -- frees its slot before the next pass.
 
 Continuous batching: each iteration runs ONE packed target pass per model over every
@@ -120,6 +121,7 @@ class Engine:
         self.passes = 0  # packed passes run (for tests and the curious)
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
+        self._outbox: list[tuple[Handle, Event]] = []  # this iteration's step events
         self._ids = itertools.count(1)
         self._cv = threading.Condition()
         self._accepting = True
@@ -196,6 +198,7 @@ class Engine:
                         self._step(handles[0])
                     else:
                         self._packed_pass(name, handles)
+                self._deliver()
                 with self._cv:
                     self._reap()
                     self._cv.notify_all()
@@ -303,7 +306,13 @@ class Engine:
     def _report_step(self, handle: Handle, result: StepResult, depth: int) -> None:
         handle.draft_state.observe(depth, result.n_accepted)
         self.observer.on_step(handle, result)
-        handle.report(Event("step", step=result))
+        self._outbox.append((handle, Event("step", step=result)))
+
+    def _deliver(self) -> None:
+        """The iteration's step events, in order, before any finish is reported."""
+        outbox, self._outbox = self._outbox, []
+        for handle, event in outbox:
+            handle.report(event)
 
     def _fail(self, handle: Handle, e: Exception) -> None:
         handle.sequence.finish("error")

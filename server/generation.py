@@ -1,8 +1,12 @@
 """From engine events to text: one HTTP request's choices, decoded as they stream.
 
-The engine thread calls back with ``Event``s; ``Run`` hops them onto the event loop
-(``call_soon_threadsafe``) into one queue for all of the request's choices, and turns each
-step's token ids into text:
+The engine thread calls back with ``Event``s; ``Run`` hops them onto the event loop into
+one queue for all of the request's choices, and turns each step's token ids into text:
+
+- **One wake-up per batch.** Events cross threads through the loop's ``EventPump``: the
+  engine thread appends to a list and wakes the loop (``call_soon_threadsafe``, a write to
+  the loop's self-pipe) only when the list was empty, so one engine iteration over 32
+  streams costs one wake-up, not 32. The loop hands the whole list out at once, in order.
 
 - **UTF-8 safety.** A token may end inside a multi-byte character. Each choice decodes its
   tokens' bytes with an incremental UTF-8 decoder, so a token's text is only what completes
@@ -23,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import threading
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -33,6 +39,47 @@ from server.stats import SpecStats
 
 class GenerationFailed(RuntimeError):
     """The engine reported an error for one of the request's sequences."""
+
+
+class EventPump:
+    """Carries (queue, item) pairs from other threads onto one event loop, in order, with
+    at most one pending ``call_soon_threadsafe`` at a time."""
+
+    _pumps: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventPump]" = \
+        weakref.WeakKeyDictionary()
+    _pumps_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, object]] = []
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "EventPump":
+        with cls._pumps_lock:
+            pump = cls._pumps.get(loop)
+            if pump is None:
+                pump = cls._pumps[loop] = cls(loop)
+            return pump
+
+    def post(self, queue: asyncio.Queue, item: object) -> None:
+        """From any thread. Raises RuntimeError once the loop is closed."""
+        with self._lock:
+            self._pending.append((queue, item))
+            wake = len(self._pending) == 1
+        if wake:
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except RuntimeError:  # closed: nobody will drain; drop what is pending
+                with self._lock:
+                    self._pending.clear()
+                raise
+
+    def _drain(self) -> None:  # on the loop
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class TextStream:
@@ -125,9 +172,11 @@ class Run:
             raise
 
     def _callback(self, loop: asyncio.AbstractEventLoop, index: int):
+        pump = EventPump.for_loop(loop)
+
         def on_event(ev: Event) -> None:  # on the engine thread
             try:
-                loop.call_soon_threadsafe(self.queue.put_nowait, (index, ev))
+                pump.post(self.queue, (index, ev))
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
         return on_event

@@ -213,7 +213,7 @@ def test_bounded_admission(live, http):
         assert full.headers["retry-after"] == "1"
         assert full.json()["error"]["type"] == "rate_limit_error"
         assert metric(live.url, "nodraft_requests_waiting") == MAX_WAITING
-    assert wait_for(lambda: metric(live.url, "nodraft_requests_running") == 0, timeout=3)
+    assert wait_for(lambda: metric(live.url, "nodraft_requests_running") == 0, timeout=10)
     assert http.post("/v1/completions", json=body()).status_code == 200
 
 

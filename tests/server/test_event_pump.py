@@ -1,0 +1,55 @@
+"""The engine thread's events reach the event loop in order, with one wake-up per batch."""
+
+import asyncio
+import threading
+
+import pytest
+
+from server.generation import EventPump
+
+
+def test_events_arrive_in_order_with_one_wakeup_per_batch():
+    async def main():
+        loop = asyncio.get_running_loop()
+        pump = EventPump(loop)
+        wakeups = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            wakeups.append(cb)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counting
+        queues = [asyncio.Queue() for _ in range(4)]
+
+        def engine_iteration(start):  # another thread posts a batch while the loop waits
+            for i in range(start, start + 32):
+                pump.post(queues[i % 4], i)
+
+        for batch in range(3):
+            t = threading.Thread(target=engine_iteration, args=(batch * 32,))
+            t.start()
+            t.join()  # the loop cannot drain until we await: the batch is one wake-up
+            assert len(wakeups) == batch + 1
+            await asyncio.sleep(0)
+        got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+        assert got == [list(range(k, 96, 4)) for k in range(4)]
+
+    asyncio.run(main())
+
+
+def test_a_closed_loop_refuses_and_keeps_nothing():
+    loop = asyncio.new_event_loop()
+    pump = EventPump(loop)
+    loop.close()
+    with pytest.raises(RuntimeError):
+        pump.post(asyncio.Queue(), 1)
+    assert pump._pending == []
+
+
+def test_one_pump_per_loop():
+    loop = asyncio.new_event_loop()
+    try:
+        assert EventPump.for_loop(loop) is EventPump.for_loop(loop)
+    finally:
+        loop.close()
