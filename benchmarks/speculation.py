@@ -6,7 +6,9 @@
 2. Each drafter's measured speed-up over ``none`` (``clients.measure``) on the workshop's
    fresh and repeating prompts, with its figures.
 
-    python benchmarks/speculation.py [--tokens 128] [--repeats 5] [--threads 1] [--out FILE.md]
+    python benchmarks/speculation.py [--tokens 128] [--repeats 5] [--threads 1]
+                                     [--models micro,micro-layerskip] [--no-hf]
+                                     [--out FILE.md] [--json-out FILE.json]
 
 Ratios, not absolute times, are what carry from one run to the next on a shared machine.
 """
@@ -74,14 +76,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=None, help="write a markdown report here")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the JSON too")
+    p.add_argument("--json-out", default=None, help="write the JSON here")
+    p.add_argument("--models", default="micro,micro-layerskip",
+                   help="comma-separated checkpoints whose drafters are measured")
+    p.add_argument("--no-hf", action="store_true",
+                   help="skip `none` against transformers (part 1)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     tok = load_tokenizer()
     prompts = encode_prompts(tok, default_prompts())
-    head = hf_vs_none(prompts["fresh"], args.tokens, args.repeats)
+    head = None if args.no_hf else hf_vs_none(prompts["fresh"], args.tokens, args.repeats)
     rows = []
-    for name in ("micro", "micro-layerskip"):
+    for name in (m.strip() for m in args.models.split(",") if m.strip()):
         model = load_model(name, CHECKPOINT_DIR)
         for pname, prompt in prompts.items():
             for method, params in METHODS:
@@ -102,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
               "tokens": args.tokens, "repeats": args.repeats, "none_vs_hf": head, "rows": rows}
     if args.json:
         print(json.dumps(result, indent=1))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     text = render(result)
     print(text)
     if args.out:
@@ -115,11 +124,12 @@ def _f(x, fmt="{:.2f}"):
 def render(r: dict) -> str:
     h = r["none_vs_hf"]
     lines = [f"Command: `{r['command']}` ({r['tokens']} greedy tokens, median of {r['repeats']}, {r['machine']})",
-             "",
-             f"`none`: {h['none_tokens_per_s']:.0f} tokens/s; transformers `generate()`: "
-             f"{h['hf_generate_tokens_per_s']:.0f} tokens/s on the same weights: **{h['ratio']:.2f}x** "
-             f"(same tokens: {h['same_tokens']}).", "",
-             "| model | prompt | method | params | acceptance | tokens/pass | draft cost/pass | est. speed-up | measured speed-up |",
+             ""]
+    if h is not None:
+        lines += [f"`none`: {h['none_tokens_per_s']:.0f} tokens/s; transformers `generate()`: "
+                  f"{h['hf_generate_tokens_per_s']:.0f} tokens/s on the same weights: "
+                  f"**{h['ratio']:.2f}x** (same tokens: {h['same_tokens']}).", ""]
+    lines += ["| model | prompt | method | params | acceptance | tokens/pass | draft cost/pass | est. speed-up | measured speed-up |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         params = ", ".join(f"{k}={v}" for k, v in row["params"].items())

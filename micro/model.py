@@ -290,14 +290,18 @@ NARROW = 16  # segments up to this many rows share one padded attention call
 def _packed_attention_plan(segments: list[Segment], offsets: list[int], n_rows: int):
     """Index maps and masks for one packed pass, built once and reused by every layer.
 
-    Narrow segments (drafts being verified) attend together: a batch over the slot range
-    they occupy, queries padded to the longest segment, keys read in place from the cache
-    (a view, no copy) up to the longest context, and a boolean (S, 1, Tq, ctx) mask. Wide
-    segments (prefill chunks) attend one by one, each with its own causal mask.
+    Narrow segments (current tokens and the drafts being verified) attend in groups, one
+    SDPA call per group: the one-row segments together, the longer ones together, so the
+    sequences that are not drafting (most of a large batch) are never padded to the
+    longest draft. A group is a batch over its slots, queries padded to its longest
+    segment, keys up to its longest context: read in place from the cache (a view of the
+    slot range, no copy) when the group fills at least half of that range, gathered
+    otherwise; a boolean (B, 1, Tq, ctx) mask. Wide segments (prefill chunks) attend one
+    by one, each with its own causal mask.
     """
     narrow = [i for i, s in enumerate(segments) if len(s) <= NARROW]
     wide = [i for i, s in enumerate(segments) if len(s) > NARROW]
-    plan = {"wide": [], "narrow": None}
+    plan = {"wide": [], "narrow": []}
     for i in wide:
         s = segments[i]
         T = len(s)
@@ -305,36 +309,49 @@ def _packed_attention_plan(segments: list[Segment], offsets: list[int], n_rows: 
         if s.mask is not None:
             m[:, s.start:] = s.mask
         plan["wide"].append((torch.arange(offsets[i], offsets[i] + T), s.slot, s.start + T, m))
-    if narrow:
-        lo = min(segments[i].slot for i in narrow)
-        hi = max(segments[i].slot for i in narrow) + 1
-        Tq = max(len(segments[i]) for i in narrow)
-        ctx = max(segments[i].start + len(segments[i]) for i in narrow)
-        # built from Python lists and broadcasts: a handful of tensor ops whatever the batch
-        src = [n_rows] * ((hi - lo) * Tq)  # n_rows = a zero row
-        starts, lens = [0] * (hi - lo), [0] * (hi - lo)
-        rows, dest = [], []
-        for i in narrow:
-            s = segments[i]
-            b, T = s.slot - lo, len(s)
-            starts[b], lens[b] = s.start, T
-            src[b * Tq: b * Tq + T] = range(offsets[i], offsets[i] + T)
-            rows.extend(range(offsets[i], offsets[i] + T))
-            dest.extend(range(b * Tq, b * Tq + T))
-        t = torch.arange(Tq)[None, :, None]
-        key = torch.arange(ctx)[None, None, :]
-        start_b = torch.tensor(starts)[:, None, None]
-        # row t of a chain sees the slot's committed rows and its own rows up to t
-        mask = (t < torch.tensor(lens)[:, None, None]) & (key <= start_b + t)
-        mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
-        for i in narrow:
-            s = segments[i]
-            if s.mask is not None:  # a tree: its own mask within the segment
-                b, T = s.slot - lo, len(s)
-                mask[b, :T, s.start:s.start + T] = s.mask
-        plan["narrow"] = (lo, hi, Tq, ctx, torch.tensor(src), mask[:, None],
-                          torch.tensor(rows), torch.tensor(dest))
+    for members in ([i for i in narrow if len(segments[i]) == 1],
+                    [i for i in narrow if len(segments[i]) > 1]):
+        if members:
+            plan["narrow"].append(_narrow_group(segments, members, offsets, n_rows))
     return plan
+
+
+def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int],
+                  n_rows: int) -> tuple:
+    """(slots, lo, hi, Tq, ctx, src, mask, rows, dest) for one group: ``slots`` None reads
+    the slot range [lo, hi) in place, else the cache rows of those slots are gathered."""
+    lo = min(segments[i].slot for i in members)
+    hi = max(segments[i].slot for i in members) + 1
+    gather = 2 * len(members) < hi - lo
+    batch = {segments[i].slot: j for j, i in enumerate(members)} if gather else None
+    B = len(members) if gather else hi - lo
+    Tq = max(len(segments[i]) for i in members)
+    ctx = max(segments[i].start + len(segments[i]) for i in members)
+    # built from Python lists and broadcasts: a handful of tensor ops whatever the batch
+    src = [n_rows] * (B * Tq)  # n_rows = a zero row
+    starts, lens = [0] * B, [0] * B
+    rows, dest = [], []
+    for i in members:
+        s = segments[i]
+        b, T = (batch[s.slot] if gather else s.slot - lo), len(s)
+        starts[b], lens[b] = s.start, T
+        src[b * Tq: b * Tq + T] = range(offsets[i], offsets[i] + T)
+        rows.extend(range(offsets[i], offsets[i] + T))
+        dest.extend(range(b * Tq, b * Tq + T))
+    t = torch.arange(Tq)[None, :, None]
+    key = torch.arange(ctx)[None, None, :]
+    start_b = torch.tensor(starts)[:, None, None]
+    # row t of a chain sees the slot's committed rows and its own rows up to t
+    mask = (t < torch.tensor(lens)[:, None, None]) & (key <= start_b + t)
+    mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
+    for i in members:
+        s = segments[i]
+        if s.mask is not None:  # a tree: its own mask within the segment
+            b, T = (batch[s.slot] if gather else s.slot - lo), len(s)
+            mask[b, :T, s.start:s.start + T] = s.mask
+    slots = torch.tensor([segments[i].slot for i in members]) if gather else None
+    return (slots, lo, hi, Tq, ctx, torch.tensor(src), mask[:, None], torch.tensor(rows),
+            torch.tensor(dest))
 
 
 @torch.inference_mode()
@@ -371,12 +388,18 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
                                                 k_cache[slot, :, :end][None],
                                                 v_cache[slot, :, :end][None], attn_mask=m)
             y[rows] = yw[0].transpose(0, 1)
-        if plan["narrow"] is not None:
-            lo, hi, Tq, ctx, src, mask, rows, dest = plan["narrow"]
-            qp = torch.cat([q, q.new_zeros(1, H, D)])[src].view(hi - lo, Tq, H, D).transpose(1, 2)
-            yn = F.scaled_dot_product_attention(qp, k_cache[lo:hi, :, :ctx],
-                                                v_cache[lo:hi, :, :ctx], attn_mask=mask)
-            y[rows] = yn.transpose(1, 2).reshape((hi - lo) * Tq, H, D)[dest]
+        if plan["narrow"]:
+            q0 = torch.cat([q, q.new_zeros(1, H, D)])  # the zero row pads short segments
+        for slots, lo, hi, Tq, ctx, src, mask, rows, dest in plan["narrow"]:
+            B = hi - lo if slots is None else slots.numel()
+            qp = q0[src].view(B, Tq, H, D).transpose(1, 2)
+            if slots is None:
+                keys, values = k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx]
+            else:
+                keys = k_cache[:, :, :ctx].index_select(0, slots)
+                values = v_cache[:, :, :ctx].index_select(0, slots)
+            yn = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
+            y[rows] = yn.transpose(1, 2).reshape(B * Tq, H, D)[dest]
         h = h + F.linear(y.view(N, H * D), layer.attention.wo.weight)
         h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
     if any(s.logits for s in segments):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from drafters.registry import Registry
-from micro.model import KVCache, Segment, forward_packed
+from micro.model import KVCache, Segment, _offsets, _packed_attention_plan, forward_packed
 from server.engine import Engine, GenerationRequest
 from server.scheduler import DraftScheduler, PassTimer, SeqDraftState
 from server.sequence import tree_attention_mask
@@ -17,14 +17,15 @@ from tests.engine.helpers import generate
 MODEL = tiny_model()
 
 
-def test_a_packed_pass_equals_each_sequence_alone():
+@pytest.mark.parametrize("slots", [[0, 3, 1, 2, 6, 7],  # drafted slots fill their range
+                                   [0, 9, 15, 4, 12, 19]])  # sparse: their rows are gathered
+def test_a_packed_pass_equals_each_sequence_alone(slots):
     """Prefill chunks (wide), chains and trees (narrow), different slots and lengths."""
     g = torch.Generator().manual_seed(0)
     V = TINY.vocab_size
     prompts = [torch.randint(0, V, (n,), generator=g) for n in (5, 40, 1, 17, 3, 60)]
     drafts = [torch.randint(0, V, (k,), generator=g) for k in (3, 0, 6, 1, 2, 4)]
     trees = [None, None, torch.tensor([-1, -1, 0, 1, 1, 2]), None, torch.tensor([-1, -1]), None]
-    slots = [0, 3, 1, 2, 6, 7]
     want = []
     for p, d, parents in zip(prompts, drafts, trees):
         c = KVCache(TINY, 1, dtype=torch.float64)
@@ -41,7 +42,7 @@ def test_a_packed_pass_equals_each_sequence_alone():
                 depth[i + 1] = 1 if q < 0 else depth[q + 1] + 1
             pos = (n + torch.tensor(depth))[None]
             want.append(MODEL(block, pos, cache=c, tree_mask=tree_attention_mask(parents))[0])
-    cache = KVCache(TINY, 8, dtype=torch.float64)
+    cache = KVCache(TINY, max(slots) + 1, dtype=torch.float64)
     forward_packed(MODEL, [Segment(s, 0, p[:-1], torch.arange(len(p) - 1), logits=False)
                            for s, p in zip(slots, prompts) if len(p) > 1], cache)
     segs = []
@@ -55,6 +56,8 @@ def test_a_packed_pass_equals_each_sequence_alone():
             mask = tree_attention_mask(parents)
             depth = mask.sum(1) - 1  # ancestors seen = depth
             segs.append(Segment(s, n, ids, n + depth, mask))
+    groups = _packed_attention_plan(segs, _offsets(segs), sum(len(g) for g in segs))["narrow"]
+    assert [g[0] is not None for g in groups] == [False, max(slots) > 10]  # gathered or not
     out = forward_packed(MODEL, segs, cache)
     for w, (logits, hidden) in zip(want, out):
         assert logits.shape == w.shape and hidden.shape[0] == w.shape[0]
