@@ -2,7 +2,7 @@
 recent match, on the workshop's prompts and on an edited copy (a passage repeated with one
 identifier renamed, where the two choices can differ).
 
-    python benchmarks/prompt_lookup.py [--tokens 96] [--repeats 5]
+    python benchmarks/prompt_lookup.py [--tokens 128] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def edited_copy(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| match | num_speculative_tokens | " + " | ".join(f"{k} tok/pass | {k} speed-up" for k in prompts) + " |")
     print("|---|---|" + "---|---|" * len(prompts))
     for match in ("recent", "first"):
-        for k in (2, 4, 6, 8, 10, 12):
+        for k in (4, 8, 12, 16, 24):
             cells = []
             for name, prompt in prompts.items():
                 s, run, _ = measured_speedup(model, prompt, args.tokens, "prompt_lookup",

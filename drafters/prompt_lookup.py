@@ -2,19 +2,22 @@
 earlier in the context (Saxena, 2023). Draft cost 0: it runs no model.
 
 For n = ngram_max down to ngram_min, find an earlier occurrence of the last n tokens and
-propose the tokens that followed it: at most ``2**n`` of them (a longer match is better
-evidence; a lone repeated token is weak), and never more than ``num_speculative_tokens``.
-Worked example, with ngram_max = 3 and tokens ``[a b c d a b]`` (current token ``b``,
-index 5): the 3-gram ``[d a b]`` never occurred before; the 2-gram ``[a b]`` ends at
-index 1, so the draft is ``tokens[2:2 + 4] = [c d a b]``.
+propose the tokens that followed it: up to ``num_speculative_tokens`` for a full-length
+(``ngram_max``) match, at most ``2**n`` for a shorter one (weaker evidence: a lone repeated
+token is weak). Worked example, with ngram_max = 3 and tokens ``[a b c d a b]`` (current
+token ``b``, index 5): the 3-gram ``[d a b]`` never occurred before; the 2-gram ``[a b]``
+ends at index 1, so the draft is ``tokens[2:2 + 4] = [c d a b]``.
 
 Matches are found in O(1) from a per-sequence index of every n-gram's end positions,
 updated as tokens arrive. Defaults chosen by measurement (``benchmarks/prompt_lookup.py``,
-results in docs/BENCHMARKS.md): the **most recent** match (``match="recent"``) and
-**8** tokens. On repeating text most recent and first agree; when the text has moved on
-(an edited copy, a loop that changed), the most recent occurrence is the better guess, and
-on micro's CPU cost curve a draft of 8 costs ~1.5x a 1-token pass, repaid by one accepted
-token in two.
+results in docs/BENCHMARKS.md): the **first** match (``match="first"``) and **16** tokens.
+On micro's repeating prompt the first occurrence is the passage being copied, where the
+most recent one is often a repeated phrase inside it (6.40 tokens per pass against 3.05);
+where micro's own output falls into a short loop, the first occurrence also leaves the
+longest run to copy; on an edited copy the two tie. Longer drafts pay wherever a match
+holds (fresh prompt: 5.82 tokens per pass at 8, 8.00 at 16); a full-length miss costs a
+pass over 17 rows instead of 9. Following the previous draft's source
+(continue the copy where the last draft ended) was measured too and changed nothing.
 """
 
 from __future__ import annotations
@@ -32,10 +35,10 @@ class PromptLookup:
 
     @dataclass(frozen=True)
     class Params:
-        num_speculative_tokens: int = 8
+        num_speculative_tokens: int = 16
         ngram_max: int = 3
         ngram_min: int = 1
-        match: str = "recent"  # "recent" | "first"
+        match: str = "first"  # "first" | "recent"
 
         def __post_init__(self):
             if not 1 <= self.num_speculative_tokens <= 64:
@@ -67,7 +70,10 @@ class PromptLookup:
             ends = index.get(tuple(tokens[-n:]))
             if ends:
                 end = ends[-1] if p.match == "recent" else ends[0]
-                k = min(p.num_speculative_tokens, budget, 2 ** n)
+                # a full-length match proposes all it may; a shorter one, weaker evidence,
+                # at most 2**n tokens
+                k = min(p.num_speculative_tokens, budget,
+                        p.num_speculative_tokens if n == p.ngram_max else 2 ** n)
                 return tokens[end + 1:end + 1 + k]
         return []
 
