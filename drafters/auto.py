@@ -130,6 +130,7 @@ class Auto:
         self.est = {n: dataclasses.replace(self.global_est.get(n, _Estimate())) for n in self.drafters}
         self.states: dict[str, dict] = {n: {} for n in self.drafters}
         self.last: tuple[str, int] | None = None  # (drafter, depth) of the last draft
+        self.proposals: dict[str, list[int]] = {}  # this step's cheap chains, by drafter
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
@@ -150,10 +151,13 @@ class Auto:
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         budget = min(budget, self.params.num_speculative_tokens)
         best_name, best_draft, best_g = None, Draft.empty(), 1.0 / (self.a + self.b)  # none
+        self.proposals = {}
         for name in (n for n in CHEAP if n in self.drafters):
             draft = self._timed(name, ctx, budget)
             if not len(draft):
                 continue
+            if draft.parents is None:
+                self.proposals[name] = draft.tokens.tolist()
             alpha = self.est[name].alpha
             depth = max(draft.depths())
             if draft.parents is None:  # a chain: trim to the best length
@@ -188,6 +192,21 @@ class Auto:
             name, depth = self.last
             self.est[name].observe(depth, len(accepted))
             self.global_est.setdefault(name, _Estimate()).observe(depth, len(accepted), 0.98)
+        # the cheap chains not sent are judged against the tokens the pass did emit, so a
+        # drafter auto passed over is still measured (else its estimate would stay at the
+        # prior and it would never be picked again)
+        emitted = ctx.tokens[len(ctx.tokens) - len(accepted) - 1:]
+        for name, proposal in self.proposals.items():
+            if self.last is not None and name == self.last[0]:
+                continue
+            n = 0
+            while n < min(len(proposal), len(emitted)) and proposal[n] == emitted[n]:
+                n += 1
+            if n < min(len(proposal), len(emitted)):  # it would have been rejected at n
+                self.est[name].observe(len(proposal), n)
+            else:  # all it could be checked on was right (the rest is unknown)
+                self.est[name].observe(n, n)
+        self.proposals = {}
         for name, est in self.est.items():  # unused estimates drift back to the server's
             if self.last is None or name != self.last[0]:
                 g = self.global_est.get(name)

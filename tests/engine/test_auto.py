@@ -52,3 +52,25 @@ def test_acceptance_learned_by_one_request_informs_the_next():
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
     est = shared["prompt_lookup"] if "prompt_lookup" in shared and "auto_alpha" not in shared else shared
     assert "auto_alpha" in est and est["auto_alpha"]["prompt_lookup"].accepted > 1.0
+
+
+def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitted():
+    from drafters.base import DraftContext
+    from micro.model import KVCache
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    auto = Auto(p, drafter_env(MODEL))
+    tokens = [5, 9, 11, 3, 7, 2] * 4
+    ctx = DraftContext(list(tokens), len(tokens), MODEL, KVCache(MODEL.config, 1), 0)
+    auto.propose(ctx, 16)
+    proposal = auto.proposals["prompt_lookup"]
+    assert proposal[:3] == [5, 9, 11]
+    before = (auto.est["prompt_lookup"].accepted, auto.est["prompt_lookup"].rejected)
+    auto.last = ("suffix", 3)  # as if suffix's draft had been sent instead
+    ctx.tokens += [5, 9, 63]  # two draft tokens accepted, then a bonus token
+    auto.observe(ctx, [5, 9])
+    after = auto.est["prompt_lookup"]
+    # prompt lookup's chain would have had 2 accepted, then a rejection
+    assert after.accepted == pytest.approx(before[0] * 0.85 + 2)
+    assert after.rejected == pytest.approx(before[1] * 0.85 + 1)
+    assert auto.proposals == {}
