@@ -17,7 +17,10 @@ target pass over ``1 + k`` rows. The candidates, and the signals each is judged 
 
 ``alpha`` per drafter is accepted / (accepted + rejections) over the request's recent
 steps (exponential moving average), starting from what earlier requests on this server
-measured for that drafter (kept per model), so a fresh request starts informed. A drafter
+measured for that drafter (kept per model), so a fresh request starts informed. A cheap
+drafter's chain that auto did not send is scored too, against the tokens the pass emitted
+(its matching prefix; a mismatch within them counts as a rejection), so a drafter passed
+over once is not stuck at its prior. A drafter
 auto has not picked for a while gets its estimate pulled back towards that server-wide
 figure, so a text that turns repetitive is noticed.
 
