@@ -323,7 +323,8 @@ def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int
     lo = min(segments[i].slot for i in members)
     hi = max(segments[i].slot for i in members) + 1
     gather = 2 * len(members) < hi - lo
-    batch = {segments[i].slot: j for j, i in enumerate(members)} if gather else None
+    # each member's batch index: its place in the group, or its slot's offset in the range
+    where = list(range(len(members))) if gather else [segments[i].slot - lo for i in members]
     B = len(members) if gather else hi - lo
     Tq = max(len(segments[i]) for i in members)
     ctx = max(segments[i].start + len(segments[i]) for i in members)
@@ -331,9 +332,9 @@ def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int
     src = [n_rows] * (B * Tq)  # n_rows = a zero row
     starts, lens = [0] * B, [0] * B
     rows, dest = [], []
-    for i in members:
+    for i, b in zip(members, where):
         s = segments[i]
-        b, T = (batch[s.slot] if gather else s.slot - lo), len(s)
+        T = len(s)
         starts[b], lens[b] = s.start, T
         src[b * Tq: b * Tq + T] = range(offsets[i], offsets[i] + T)
         rows.extend(range(offsets[i], offsets[i] + T))
@@ -344,11 +345,10 @@ def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int
     # row t of a chain sees the slot's committed rows and its own rows up to t
     mask = (t < torch.tensor(lens)[:, None, None]) & (key <= start_b + t)
     mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
-    for i in members:
+    for i, b in zip(members, where):
         s = segments[i]
         if s.mask is not None:  # a tree: its own mask within the segment
-            b, T = (batch[s.slot] if gather else s.slot - lo), len(s)
-            mask[b, :T, s.start:s.start + T] = s.mask
+            mask[b, :len(s), s.start:s.start + len(s)] = s.mask
     slots = torch.tensor([segments[i].slot for i in members]) if gather else None
     return (slots, lo, hi, Tq, ctx, torch.tensor(src), mask[:, None], torch.tensor(rows),
             torch.tensor(dest))
