@@ -3,7 +3,7 @@ against ``auto``, against one real server started here.
 
     python benchmarks/batching.py [--concurrency 1,8,32] [--methods none,auto]
                                   [--requests-per-stream 6] [--max-tokens 64]
-                                  [--rounds 3] [--threads 1] [--out FILE.json]
+                                  [--rounds 3] [--threads 1] [--eager] [--out FILE.json]
 
 For each concurrency the methods run in alternation, ``--rounds`` times, and the median
 of each figure is reported (this machine is shared and noisy: only ratios in one run
@@ -26,6 +26,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -39,17 +40,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(threads: int, max_running: int) -> tuple[subprocess.Popen, str]:
+def start_server(threads: int, max_running: int, compile: bool = True
+                 ) -> tuple[subprocess.Popen, str]:
+    """The server, once it answers and its compiled passes are ready (their background
+    compile would otherwise share the CPU with the first measurements)."""
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
-           "--threads", str(threads), "--max-running", str(max_running)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+           "--threads", str(threads), "--max-running", str(max_running),
+           "--compile", "true" if compile else "false"]
+    # its log goes to a file: a pipe nobody reads would fill with access lines and block it
+    log = tempfile.NamedTemporaryFile("w+", prefix="nodraft-bench-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(3000):
         if proc.poll() is not None:
-            raise RuntimeError("the server exited: " + proc.stderr.read()[-2000:])
+            raise RuntimeError("the server exited: " + open(log.name).read()[-2000:])
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
+            r = httpx.get(url + "/health", timeout=1)
+            if r.status_code == 200 and r.json()["compiled"] != "warming":
                 return proc, url
         except httpx.HTTPError:
             pass
@@ -80,11 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--eager", action="store_true", help="serve eager passes (default: compiled)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
-    proc, url = start_server(args.threads, max(levels))
+    proc, url = start_server(args.threads, max(levels), not args.eager)
     results: dict = {"command": "python benchmarks/batching.py " + " ".join(argv or sys.argv[1:]),
                      "cpus": os.cpu_count(), "threads": args.threads, "rows": []}
     try:

@@ -3,10 +3,14 @@
 1. ``none`` (nodraft's plain greedy loop) against Hugging Face transformers' ``generate()``
    on the same weights (the ``nodraft export-hf`` export), greedy, tokens/s, runs
    alternated, median of ``--repeats``.
+
+Passes run as the server runs them: compiled (``Micro.compile``, micro/compiled.py; graphs
+compiled by an untimed warm-up decode first), or eager with ``--eager``. transformers runs
+eager, as ``generate()`` does by default.
 2. Each drafter's measured speed-up over ``none`` (``clients.measure``) on the workshop's
    fresh and repeating prompts, with its figures.
 
-    python benchmarks/speculation.py [--tokens 128] [--repeats 5] [--threads 1]
+    python benchmarks/speculation.py [--tokens 128] [--repeats 5] [--threads 2] [--eager]
                                      [--models micro,micro-layerskip] [--no-hf]
                                      [--out FILE.md] [--json-out FILE.json]
 
@@ -42,12 +46,12 @@ METHODS = [
 ]
 
 
-def hf_vs_none(prompt: list[int], n_tokens: int, repeats: int) -> dict:
+def hf_vs_none(prompt: list[int], n_tokens: int, repeats: int, compiled: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
     from micro.export import export
 
-    model = load_model("micro")
+    model = load_model("micro").compile(compiled)
     with tempfile.TemporaryDirectory() as d:
         hf = AutoModelForCausalLM.from_pretrained(export(Path(d), "micro")).eval()
     ids = torch.tensor([prompt])
@@ -74,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2,
+                   help="torch threads, for nodraft and transformers alike (2: this machine's cores)")
+    p.add_argument("--eager", action="store_true", help="eager passes (default: compiled)")
     p.add_argument("--out", default=None, help="write a markdown report here")
     p.add_argument("--json", action="store_true", help="print the JSON too")
     p.add_argument("--json-out", default=None, help="write the JSON here")
@@ -86,10 +92,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tok = load_tokenizer()
     prompts = encode_prompts(tok, default_prompts())
-    head = None if args.no_hf else hf_vs_none(prompts["fresh"], args.tokens, args.repeats)
+    head = None if args.no_hf else hf_vs_none(prompts["fresh"], args.tokens, args.repeats,
+                                              not args.eager)
     rows = []
     for name in (m.strip() for m in args.models.split(",") if m.strip()):
-        model = load_model(name, CHECKPOINT_DIR)
+        model = load_model(name, CHECKPOINT_DIR).compile(not args.eager)
         for pname, prompt in prompts.items():
             for method, params in METHODS:
                 speedup, run, base_s = measured_speedup(model, prompt, args.tokens, method, params,
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{name:16s} {pname:9s} {method:13s} {json.dumps(params):18s} "
                       f"tok/pass {s.tokens_per_pass:.2f} measured {speedup:.2f}x", file=sys.stderr)
     result = {"machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                         f"{args.threads} thread(s)",
+                         f"{args.threads} thread(s), {'eager' if args.eager else 'compiled'} passes",
               "command": "python benchmarks/speculation.py " + " ".join(argv or sys.argv[1:]),
               "tokens": args.tokens, "repeats": args.repeats, "none_vs_hf": head, "rows": rows}
     if args.json:

@@ -2,7 +2,7 @@
 
     nodraft workshop [--tokens 40] [--repeats 5] [--json] [--plot FILE.png]
                      [--prompt-file FILE.json] [--methods a,b] [--checkpoints DIR]
-                     [--threads 1] [--url URL [--api-key KEY]]
+                     [--threads 1] [--compile] [--url URL [--api-key KEY]]
 
 The course decodes 40 greedy tokens with each drafter after two prompts -- a *fresh* one,
 which micro continues with new text, and one that *repeats* itself -- and reads off the
@@ -126,7 +126,7 @@ class InProcess:
 
     mode = "in process"
 
-    def __init__(self, checkpoints: Path | None, threads: int | None):
+    def __init__(self, checkpoints: Path | None, threads: int | None, compile: bool = False):
         import torch
 
         from micro.checkpoint import CHECKPOINT_DIR, available_models, load_tokenizer
@@ -140,13 +140,14 @@ class InProcess:
         tokenizer = self.directory / "tokenizer.json"
         self.tokenizer = load_tokenizer(tokenizer if tokenizer.exists() else None)
         self.names = names
+        self.compile = compile
         self._models: dict = {}
 
     def model(self, name: str):
         from micro.checkpoint import load_model
 
         if name not in self._models:
-            self._models[name] = load_model(name, self.directory)
+            self._models[name] = load_model(name, self.directory).compile(self.compile)
         return self._models[name]
 
     def models(self) -> list[str]:
@@ -375,6 +376,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="in process: torch threads (1: micro is small, and one thread is "
                         "the fastest single stream; more only contend on a busy machine)")
+    p.add_argument("--compile", action="store_true",
+                   help="in process: compiled passes, as the server runs them (default: eager, "
+                        "as the course measures)")
     p.add_argument("--url", help="measure through this live server's API instead")
     p.add_argument("--api-key", help="with --url: the server's API key")
     args = p.parse_args(argv)
@@ -389,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     prompts = load_prompts(args.prompt_file)
     backend = (OverHTTP(args.url, args.api_key) if args.url
-               else InProcess(args.checkpoints, args.threads))
+               else InProcess(args.checkpoints, args.threads, args.compile))
     only = [m.strip() for m in args.methods.split(",")] if args.methods else None
     result = run(backend, prompts, args.tokens, args.repeats, only,
                  log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -24,9 +24,11 @@ over once is not stuck at its prior. A drafter
 auto has not picked for a while gets its estimate pulled back towards that server-wide
 figure, so a text that turns repetitive is noticed.
 
-Pass time as a function of rows, ``a + b * rows``, is measured once per model when the
-first ``auto`` request arrives (a scratch cache; a few milliseconds) -- the same machine's
-numbers, not a FLOP model. Drafting times are measured as auto runs.
+Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
+rows, interpolated), measured once per model at the first ``auto`` step (in that
+request's own KV slot, past its committed rows; a few milliseconds) and again when the
+model's compiled graphs change -- the same machine's numbers and the same graphs, not a
+FLOP model. Drafting times are measured as auto runs.
 
 The figures of each step are attributed to the drafter that proposed (``Draft.method``);
 the draft cost is that drafter's own cost model. Lookahead decoding is not a candidate:
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -69,30 +72,72 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def pass_seconds(env: DrafterEnv) -> tuple[float, float]:
-    """(a, b) with a pass over r rows taking about a + b * r seconds, measured once per model."""
-    got = env.shared.get("auto_pass_seconds")
+ROWS = (1, 2, 3, 5, 9, 17)  # the pass sizes timed; between them, linear interpolation
+
+
+class PassCost:
+    """Seconds of a target pass over ``rows`` rows, from passes timed on this machine at
+    ``ROWS`` sizes and interpolated. A table, not a line: compiled passes jump from one
+    row to two (another graph) and then grow with the matmuls."""
+
+    def __init__(self, table: dict[int, float]):
+        self.rows = sorted(table)
+        self.secs = [table[r] for r in self.rows]
+
+    def __call__(self, rows: int) -> float:
+        r, s = self.rows, self.secs
+        if rows <= r[0]:
+            return s[0]
+        for i in range(1, len(r)):
+            if rows <= r[i]:
+                return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
+        return s[-1] + (s[-1] - s[-2]) * (rows - r[-1]) / (r[-1] - r[-2])
+
+
+def _compiled_state(model) -> int:
+    """Changes when the model's compiled graphs do (then passes cost something else)."""
+    return -1 if model.compiled is None else len(model.compiled._ready)
+
+
+def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
+    """The pass-cost table for this model, measured once per model object in this process
+    (and again when its compiled graphs change). Timed in the request's own KV slot, on the rows past its
+    committed length (scratch until verification overwrites them), so the passes timed
+    are the ones that will run -- the same cache, so the same compiled graphs; a private
+    cache when the slot has no room."""
+    model = env.model
+    costs = _COSTS.setdefault(model, {})
+    got = costs.get(_compiled_state(model))
     if got is not None:
         return got
-    model = env.model
-    cache = KVCache(model.config, 1, max_len=64, dtype=model.tok_embeddings.weight.dtype)
-    cache.lengths[0] = 32
-    # the two lengths alternate and each keeps its fastest time: on a shared machine the
-    # minimum is the pass's own cost, a median can be another process's
-    times = {1: float("inf"), 9: float("inf")}
+    dtype = model.tok_embeddings.weight.dtype
+    if (ctx is not None and ctx.cache.k.dtype == dtype
+            and ctx.cache.lengths[ctx.slot] + ROWS[-1] <= ctx.cache.max_len):
+        cache, slot, start = ctx.cache, ctx.slot, ctx.cache.lengths[ctx.slot]
+    else:
+        cache = KVCache(model.config, 1, max_len=64, dtype=dtype)
+        slot, start = 0, 32
+    # the sizes alternate and each keeps its fastest time: on a shared machine the minimum
+    # is the pass's own cost, a median can be another process's
+    times = {rows: float("inf") for rows in ROWS}
     with torch.inference_mode():
         for rows in times:  # warm-up
-            model(torch.zeros(1, rows, dtype=torch.long), cache=cache)
-        for _ in range(9):
+            model.verify_pass(torch.zeros(rows, dtype=torch.long), cache, slot, start)
+        for _ in range(7):
             for rows in times:
-                x = torch.zeros(1, rows, dtype=torch.long)
+                x = torch.zeros(rows, dtype=torch.long)
                 t0 = time.perf_counter()
-                model(x, cache=cache)
+                model.verify_pass(x, cache, slot, start)
                 times[rows] = min(times[rows], time.perf_counter() - t0)
-    b = max(1e-7, (times[9] - times[1]) / 8)
-    a = max(1e-6, times[1] - b)
-    env.shared["auto_pass_seconds"] = (a, b)
-    return a, b
+    for i in range(1, len(ROWS)):  # more rows never cost less
+        times[ROWS[i]] = max(times[ROWS[i]], times[ROWS[i - 1]])
+    cost = PassCost(times)
+    costs[_compiled_state(model)] = cost  # the state after timing (a lazy compile may have run)
+    return cost
+
+
+# per model object: measured once per process, whichever request or drafter state comes
+_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 class Auto:
@@ -126,7 +171,8 @@ class Auto:
                 if name in TRAINED:  # no trained weights for this model: not a candidate
                     continue
                 raise
-        self.a, self.b = pass_seconds(env)
+        self.env = env
+        self.cost: PassCost | None = None  # measured at the first propose
         # server-wide acceptance per drafter (per model), and drafting seconds
         self.global_est: dict[str, _Estimate] = env.shared.setdefault("auto_alpha", {})
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
@@ -148,12 +194,13 @@ class Auto:
         return draft
 
     def _goodput(self, alpha: float, k: int, rows: int, seconds: float) -> float:
-        return expected_tokens(alpha, k) / (self.a + self.b * (1 + rows) + seconds)
+        return expected_tokens(alpha, k) / (self.cost(1 + rows) + seconds)
 
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         budget = min(budget, self.params.num_speculative_tokens)
-        best_name, best_draft, best_g = None, Draft.empty(), 1.0 / (self.a + self.b)  # none
+        self.cost = pass_cost(self.env, ctx)
+        best_name, best_draft, best_g = None, Draft.empty(), 1.0 / self.cost(1)  # none
         self.proposals = {}
         for name in (n for n in CHEAP if n in self.drafters):
             draft = self._timed(name, ctx, budget)
@@ -175,7 +222,7 @@ class Auto:
             # not yet measured on this server: assume a draft step costs one target pass
             # (EAGLE's measured 0.8-0.9 of a pass here, Medusa's 0.7), so it is tried only
             # when that would still pay
-            seconds = self.draft_seconds.get(name, self.a + self.b)
+            seconds = self.draft_seconds.get(name, self.cost(1))
             p = self.drafters[name].params  # EAGLE: depth, total_tokens; Medusa: num_heads
             depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
             rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))

@@ -63,10 +63,9 @@ class EarlyExit:
         tok = ctx.tokens[-1]
         tokens, hiddens, probs = [], [], []
         for i in range(k):
-            h = m.run_layers(m.embed(torch.tensor([[tok]])), torch.tensor([[n + i]]), 0, E,
-                             cache=ctx.cache, slot=ctx.slot, start=n + i)
-            hiddens.append(h[0])
-            logits = m.head(h[0, -1])
+            logits, h = m.exit_pass(torch.tensor([tok]), ctx.cache, ctx.slot, n + i, E)
+            hiddens.append(h)
+            logits = logits[-1]
             if ctx.temperature > 0:
                 q = (logits.float() / ctx.temperature).softmax(-1)
                 tok = int(torch.multinomial(q, 1, generator=ctx.generator))

@@ -188,6 +188,7 @@ class Micro(nn.Module):
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.compiled = None  # CompiledPasses once compile() is called
         self.apply(self._init)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual outputs
             if name.endswith(("wo.weight", "w2.weight")):
@@ -198,8 +199,60 @@ class Micro(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
+    def compile(self, enabled: bool = True, lazy: bool = True) -> "Micro":
+        """Route one-sequence cache passes (``verify_pass``, ``forward`` and ``run_layers``
+        with a cache) through ``torch.compile`` graphs (micro/compiled.py); ``enabled=False``
+        goes back to eager. ``lazy``: a graph compiles on its first pass; otherwise only
+        after ``self.compiled.warm_up`` (until then eager). For inference: the weights are
+        frozen into the graphs."""
+        from micro.compiled import CompiledPasses
+
+        self.compiled = CompiledPasses(self, lazy) if enabled else None
+        return self
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @torch.inference_mode()
+    def verify_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int,
+                    pos: Tensor | None = None, tree_mask: Tensor | None = None
+                    ) -> tuple[Tensor, Tensor]:
+        """One sequence's block ids (T,) through every layer with its KV rows written at
+        [start, start+T): logits (T, V) and the final residual stream (T, dim). Positions
+        default to consecutive; ``tree_mask`` (T, T) bool as in ``forward``. Compiled
+        when ``compile()`` was called."""
+        T = ids.shape[0]
+        if pos is None:
+            pos = torch.arange(start, start + T)
+        if self.compiled is not None:
+            mask = None
+            if tree_mask is not None:
+                mask = additive_mask(tree_mask, self.tok_embeddings.weight.dtype)
+            done = self.compiled.run(self.embed(ids), pos, 0, self.config.n_layers, cache,
+                                     slot, start, mask, head=True)
+            if done is not None:
+                return done[1], done[0]
+        hidden: list[Tensor] = []
+        logits = self(ids[None], pos[None], cache=cache, slot=slot, start=start,
+                      tree_mask=tree_mask, hidden=hidden)
+        return logits[0], hidden[-1][0]
+
+    @torch.inference_mode()
+    def exit_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int, exit_layer: int
+                  ) -> tuple[Tensor, Tensor]:
+        """Early exit: ids (T,) through layers [0, exit_layer) with their KV rows written
+        at [start, start+T); logits through the final norm and head (T, V) and the layer's
+        residual stream (T, dim). Compiled when ``compile()`` was called."""
+        T = ids.shape[0]
+        pos = torch.arange(start, start + T)
+        if self.compiled is not None:
+            done = self.compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
+                                     None, head=True)
+            if done is not None:
+                return done[1], done[0]
+        h = self.run_layers(self.embed(ids)[None], pos[None], 0, exit_layer, cache=cache,
+                            slot=slot, start=start)[0]
+        return self.head(h), h
 
     # -- the pieces -----------------------------------------------------------------------
     def embed(self, idx: Tensor) -> Tensor:
@@ -232,6 +285,12 @@ class Micro(nn.Module):
         ``keep`` (training only: LayerSkip's layer dropout) holds a (B, 1, 1) 0/1 tensor
         per layer, 0 where that sample skips the layer.
         """
+        if (self.compiled is not None and cache is not None and keep is None and hidden is None
+                and hi > lo and h.shape[0] == 1):
+            tt = None if mask is None else mask[:, start:]  # the prefix is always visible
+            done = self.compiled.run(h[0], pos[0], lo, hi, cache, slot, start, tt, head=False)
+            if done is not None:
+                return done[0][None]
         cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # (B, 1, T, D)
         for i in range(lo, hi):
             kv = (cache.k[i, slot], cache.v[i, slot]) if cache is not None else None
@@ -257,6 +316,14 @@ class Micro(nn.Module):
         if pos is None:
             pos = torch.arange(start, start + T).expand(B, T)
         mask = self.block_mask(T, start, tree_mask)
+        if self.compiled is not None and cache is not None and hidden is None and B == 1:
+            tt = None if mask is None else mask[:, start:]
+            done = self.compiled.run(self.embed(idx)[0], pos[0], 0,
+                                     exit_layer or self.config.n_layers, cache, slot, start,
+                                     tt, head=exit_layer is None)
+            if done is not None:
+                h, logits = done
+                return (logits if logits is not None else self.head(h))[None]
         h = self.embed(idx)
         if hidden is not None:
             hidden.append(h)

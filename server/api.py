@@ -42,8 +42,16 @@ router = APIRouter()
 
 
 @router.get("/health", summary="liveness: answers while generation runs")
-async def health() -> dict:
-    return {"status": "ok"}
+async def health(request: Request) -> dict:
+    """``compiled``: ``off`` (eager only), ``warming`` (compiling in the background;
+    served eager meanwhile) or ``ready``."""
+    service = request.app.state.service
+    engine = service.engine
+    if not service.settings.compile:
+        compiled = "off"
+    else:
+        compiled = "ready" if engine is not None and engine.compiled_ready else "warming"
+    return {"status": "ok", "compiled": compiled}
 
 
 @router.get("/ready", summary="readiness: models loaded and not draining",

@@ -88,7 +88,14 @@ class Service:
                              self.settings.max_running, self.settings.max_waiting,
                              observer=self.metrics, threads=self.settings.threads)
         self.engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
+        if self.settings.compile:
+            for model in self.models.values():
+                model.compile(lazy=False)
         self.engine.start()
+        if self.settings.compile:
+            log.info("nodraft: compiling the single-sequence passes in the background "
+                     "(served eager until then)")
+            self.engine.warm_up(lambda s: log.info("nodraft: compiled passes ready (%.0f s)", s))
         log.info("nodraft: serving %s from %s", ", ".join(names), directory)
 
     @property

@@ -16,6 +16,11 @@ draft tokens each sequence may carry is the ``DraftScheduler``'s call: measured 
 so drafting shrinks, then stops, as the batch grows. A lone sequence takes the
 single-sequence path (``Sequence.step``: the leanest pass, early exit's KV reuse, and the
 request's own draft length).
+
+Compiled passes (``Micro.compile``, micro/compiled.py) serve the single-sequence path once
+``warm_up`` has compiled them; it runs in a thread of its own on a scratch cache of the
+engine cache's shape, so requests are served eagerly meanwhile and none waits on a
+compiler. Packed passes stay eager.
 """
 
 from __future__ import annotations
@@ -119,6 +124,7 @@ class Engine:
         self.scheduler = DraftScheduler()
         self.prefill_tokens = PREFILL_TOKENS
         self.passes = 0  # packed passes run (for tests and the curious)
+        self.compiled_ready = False  # warm_up finished
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self._outbox: list[tuple[Handle, Event]] = []  # this iteration's step events
@@ -131,6 +137,28 @@ class Engine:
     # -- the API's side (any thread) ---------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+
+    def warm_up(self, on_done: Callable[[float], None] | None = None) -> threading.Thread:
+        """Compile the compiled models' graphs in the background (each on a scratch KV
+        cache shaped like the engine's, freed afterwards); ``on_done(seconds)`` after."""
+        def work() -> None:
+            if self.threads:
+                torch.set_num_threads(self.threads)
+            t0 = time.perf_counter()
+            for name, model in self.models.items():
+                if model.compiled is None or self._stop:
+                    continue
+                scratch = KVCache(model.config, self.caches[name].n_slots,
+                                  self.caches[name].max_len, self.caches[name].k.dtype)
+                model.compiled.warm_up(scratch, 0)
+                del scratch
+            self.compiled_ready = True
+            if on_done is not None:
+                on_done(time.perf_counter() - t0)
+
+        thread = threading.Thread(target=work, name="nodraft-compile", daemon=True)
+        thread.start()
+        return thread
 
     def submit(self, request: GenerationRequest, callback: Callable[[Event], None]) -> Handle:
         with self._cv:

@@ -158,16 +158,13 @@ class Sequence:
                              start=n, mask=m.block_mask(k + 1, n, None))
             self.ctx.aux_logits = None
             return m.head(h)[0], h[0]
-        hidden: list[Tensor] = []
         if draft.parents is None and not draft.n_aux:  # a chain: positions and mask implied
-            ids = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
-            logits = m(ids, cache=self.cache, slot=self.slot, start=n, hidden=hidden)
+            ids = torch.tensor([self.tokens[-1], *draft.tokens.tolist()])
             self.ctx.aux_logits = None
-            return logits[0], hidden[-1][0]
+            return m.verify_pass(ids, self.cache, self.slot, n)
         ids, pos, tree_mask = self.block(draft)
-        logits = m(ids[None], pos[None], cache=self.cache, slot=self.slot, start=n,
-                   tree_mask=tree_mask, hidden=hidden)
-        return self.split(logits[0], hidden[-1][0], k)
+        logits, hidden = m.verify_pass(ids, self.cache, self.slot, n, pos, tree_mask)
+        return self.split(logits, hidden, k)
 
     def split(self, logits: Tensor, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Keep the aux rows' logits for the drafter; return the verified rows'."""

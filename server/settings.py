@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight "
                                  "requests may run before they are cancelled")
     threads: int | None = Field(None, ge=1, description="torch threads of the engine")
+    compile: bool = Field(True, description="compile single-sequence passes with "
+                          "torch.compile (in the background at start; served eager until "
+                          "ready); false: eager only")
     log_level: str = Field("info", description="uvicorn's log level")
 
     @field_validator("speculation", mode="before")

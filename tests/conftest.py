@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,11 @@ import torch
 
 from micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models
 from micro.model import Micro, MicroConfig
+
+# Servers started by the tests run eager unless a test asks for compiled passes: their
+# background compile would cost every test server ~20-40 s of CPU on this 2-core machine.
+# tests/server/test_server_compiled.py and tests/engine/test_compiled.py cover them.
+os.environ.setdefault("NODRAFT_COMPILE", "false")
 
 TINY = MicroConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=64, max_positions=128)
 

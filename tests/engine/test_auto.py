@@ -74,3 +74,30 @@ def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitte
     assert after.accepted == pytest.approx(before[0] * 0.85 + 2)
     assert after.rejected == pytest.approx(before[1] * 0.85 + 1)
     assert auto.proposals == {}
+
+
+def test_pass_cost_interpolates_its_measured_table():
+    from drafters.auto import PassCost
+
+    cost = PassCost({1: 1.0, 2: 3.0, 5: 6.0})
+    assert [cost(r) for r in (1, 2, 4, 5)] == pytest.approx([1.0, 3.0, 5.0, 6.0])
+    assert cost(0) == 1.0 and cost(8) == pytest.approx(9.0)  # the last slope goes on
+
+
+def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
+    from drafters.auto import ROWS, _COSTS, pass_cost
+    from drafters.base import DraftContext
+    from micro.model import KVCache
+
+    model = tiny_model(seed=3)  # a fresh model object: nothing measured for it yet
+    cache = KVCache(model.config, 2, dtype=torch.float64)
+    cache.set_length(1, 20)
+    before = cache.k[:, 1, :, :20].clone()
+    ctx = DraftContext([1] * 21, 21, model, cache, 1)
+    cost = pass_cost(drafter_env(model), ctx)
+    assert cost.rows == list(ROWS) and all(s > 0 for s in cost.secs)
+    assert cost.secs == sorted(cost.secs)  # more rows never cost less
+    assert cache.lengths == [0, 20] and torch.equal(cache.k[:, 1, :, :20], before)
+    assert cache.k[:, 1, :, 20:20 + ROWS[-1]].abs().sum() > 0  # the scratch rows it used
+    assert pass_cost(drafter_env(model), ctx) is cost  # measured once per model
+    assert model in _COSTS

@@ -146,7 +146,7 @@ def test_unknown_route_and_method(http):
 
 
 def test_health_ready_models(http):
-    assert http.get("/health").json() == {"status": "ok"}
+    assert http.get("/health").json() == {"status": "ok", "compiled": "off"}
     assert http.get("/ready").status_code == 200
     models = http.get("/v1/models").json()["data"]
     assert {m["id"] for m in models} == {"micro", "micro-layerskip"}

@@ -1,0 +1,192 @@
+"""Compiled cache passes: one sequence's block through micro's layers as one ``torch.compile``
+graph.
+
+On this CPU a 1-token pass of eager micro is almost all per-operation cost: ~200 small
+kernels and views at 1-10 us each against ~230 us of matrix multiplies. Inductor fuses the
+norms, rotary embeddings, softmax and SwiGLU into a few C++ loops around the matmuls and
+halves the pass (0.90 -> 0.44 ms measured, one thread, 100 cached rows).
+
+What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
+
+- **The KV cache stays outside the graph.** The graph reads the slot's committed rows
+  ``[0, start)`` as a view and returns the block's new keys and values; two copies write
+  them after the call. A cache mutated inside the graph is copied whole by inductor's
+  functionalisation (5.7 ms a step).
+- **Attention is split at the cache boundary.** Scores against the cached rows and against
+  the block itself (under the block's mask: causal for chains, the tree for trees) are
+  soft-maxed together, then each part weights its own values. No concatenation of the
+  cache with the block: its cost does not grow with the context.
+- **Shapes.** A graph is first compiled for the sizes it sees; when the context length
+  or the block length changes, dynamo recompiles it with that size symbolic (automatic
+  dynamic shapes), so a few graphs per layer range serve every context and every chain
+  or tree (a 1-row block is its own graph). Every other size stays a constant the
+  generated loops are vectorised over. ``warm_up`` compiles them up front; inductor
+  caches them on disk, so a second process loads them in seconds. (Marking the sizes
+  dynamic by hand would save a compile, but ``maybe_mark_dynamic`` costs ~100 us a call.)
+
+The numbers differ from eager micro in the last bits (fused reductions), as eager
+already differs between a 1-row and a k-row pass; every pass of a sequence goes through
+the same path, so speculative and plain greedy decoding stay token-for-token equal (the
+equivalence tests run it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import torch._dynamo.config as _dynamo_config
+
+# Graphs per code object: early exit's layer ranges and the cache shapes of several engines
+# share one; the default limit of 8 would silently fall back to eager.
+_dynamo_config.cache_size_limit = max(_dynamo_config.cache_size_limit, 64)
+_dynamo_config.accumulated_cache_size_limit = max(_dynamo_config.accumulated_cache_size_limit, 512)
+
+# freezing: the weights become constants, prepacked for MKL/oneDNN's small-M matmuls
+# (1-row pass 0.55 -> 0.48 ms, 17 rows 2.1 -> 1.6 ms, measured). max_autotune's C++ GEMM
+# templates were tried too: no better at 1-4 rows, worse at 8-16.
+OPTIONS = {"freezing": True}
+
+MIN_CONTEXT = 2  # shorter cached prefixes (sizes 0 and 1 are specialised): eager
+
+
+class CompiledPasses:
+    """Compiled versions of ``Micro.run_layers`` (+ the head) for one sequence with a KV
+    cache. Build with ``Micro.compile()``; the model's cache passes route here.
+
+    A *family* is a layer range, head or not, one row or several, and the cache's shape
+    (its strides are constants of the graph). ``lazy`` compiles a family on its first
+    pass (benchmarks, tests); otherwise only families compiled by ``warm_up`` run compiled
+    and the rest run eager (the server: no request waits on a compiler).
+    """
+
+    def __init__(self, model, lazy: bool = True):
+        self.model = model
+        self.lazy = lazy
+        self._fns: dict[tuple[int, int, bool], object] = {}
+        self._ready: set[tuple] = set()
+        self._causal: dict[int, Tensor] = {}
+        self.compile_seconds = 0.0
+
+    def causal(self, T: int, dtype: torch.dtype) -> Tensor:
+        m = self._causal.get(T)
+        if m is None:
+            allowed = torch.ones(T, T, dtype=torch.bool).tril()
+            m = self._causal[T] = torch.zeros(T, T, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        return m
+
+    def _fn(self, lo: int, hi: int, head: bool):
+        key = (lo, hi, head)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = torch.compile(_make_core(self.model, lo, hi, head),
+                                                fullgraph=True, options=OPTIONS)
+        return fn
+
+    @torch.inference_mode()
+    def run(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int, start: int,
+            mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None] | None:
+        """Layers [lo, hi) over one sequence's block h (T, dim) at positions pos (T,);
+        keys and values go to rows [start, start+T) of ``slot``; the block sees rows
+        [0, start) and itself under ``mask``, an additive (T, T) mask (None: causal).
+        Returns the block's final residual stream (T, dim) and, with ``head``, logits;
+        None when this family is not compiled (the caller runs eager)."""
+        T = h.shape[0]
+        if start < MIN_CONTEXT:
+            return None
+        family = (lo, hi, head, T > 1, tuple(cache.k.shape), h.dtype)
+        fresh = family not in self._ready
+        if fresh and not self.lazy:
+            return None
+        if mask is None and T > 1:
+            mask = self.causal(T, h.dtype)
+        k_past = cache.k[lo:hi, slot, :, :start]
+        v_past = cache.v[lo:hi, slot, :, :start]
+        if fresh:  # compiled once with the context (and block) length symbolic
+            t0 = time.perf_counter()
+            for x in (k_past, v_past):
+                torch._dynamo.maybe_mark_dynamic(x, 2)
+            if T > 1:
+                for x, d in ((h, 0), (pos, 0), (mask, 0), (mask, 1)):
+                    torch._dynamo.maybe_mark_dynamic(x, d)
+        out, logits, k_new, v_new = self._fn(lo, hi, head)(h, pos, k_past, v_past,
+                                                            mask if T > 1 else None)
+        if fresh:
+            self._ready.add(family)
+            self.compile_seconds += time.perf_counter() - t0
+        cache.k[lo:hi, slot, :, start:start + T] = k_new
+        cache.v[lo:hi, slot, :, start:start + T] = v_new
+        return out, logits
+
+    def warm_up(self, cache, slot: int, early_exit: bool = True) -> float:
+        """Compile every family a request can reach on ``cache`` (whose ``slot`` must be
+        free: its rows past the committed length are written): full passes of one row and
+        of several, and with ``early_exit`` each exit's draft and verification ranges.
+        Returns the seconds it took."""
+        t0 = time.perf_counter()
+        L, dim = self.model.config.n_layers, self.model.config.dim
+        dtype = self.model.tok_embeddings.weight.dtype
+        ranges = [(0, L, True, 1), (0, L, True, 3)]
+        if early_exit:
+            for E in range(1, L):  # drafting, the last draft token's rows, verification
+                ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, False, 3)]
+        lazy, self.lazy = self.lazy, True
+        try:
+            for lo, hi, head, T in ranges:
+                start = MIN_CONTEXT + 6
+                with torch.inference_mode():  # as the engine's passes: guards see the keys
+                        self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
+                             lo, hi, cache, slot, start, None, head)
+        finally:
+            self.lazy = lazy
+        return time.perf_counter() - t0
+
+
+def _make_core(model, lo: int, hi: int, head: bool):
+    c = model.config
+    H, D, F_ = c.n_heads, c.head_dim, c.ffn_dim
+    scale = 1.0 / math.sqrt(D)
+    cos_t, sin_t = model.rope_cos, model.rope_sin
+    layers = [model.layers[i] for i in range(lo, hi)]
+    norm, emb = model.norm, model.tok_embeddings
+
+    def core(h: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor | None):
+        # h (T, dim); pos (T,); k_past, v_past (layers, H, n, D); mask (T, T) additive
+        T = h.shape[0]
+        cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]  # (T, 1, D)
+        ks, vs = [], []
+        for j, layer in enumerate(layers):
+            an, fn = layer.attention_norm, layer.ffn_norm
+            x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
+            qkv = F.linear(x, layer.attention.wqkv.weight).view(T, 3, H, D)
+            qk = qkv[:, :2] * cos[:, None] + qkv[:, :2].roll(D // 2, dims=-1) * sin[:, None]
+            q = qk[:, 0].transpose(0, 1)  # (H, T, D)
+            k = qk[:, 1].transpose(0, 1)
+            v = qkv[:, 2].transpose(0, 1)
+            ks.append(k)
+            vs.append(v)
+            s_past = torch.matmul(q, k_past[j].transpose(-1, -2)) * scale  # (H, T, n)
+            s_self = torch.matmul(q, k.transpose(-1, -2)) * scale  # (H, T, T)
+            if mask is not None:
+                s_self = s_self + mask
+            p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
+            n = s_past.shape[-1]
+            y = torch.matmul(p[..., :n], v_past[j]) + torch.matmul(p[..., n:], v)  # (H, T, D)
+            h = h + F.linear(y.transpose(0, 1).reshape(T, H * D), layer.attention.wo.weight)
+            x = F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps)
+            gate, up = F.linear(x, layer.feed_forward.w13.weight).split(F_, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.feed_forward.w2.weight)
+        logits = F.linear(F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps),
+                          emb.weight) if head else None
+        return h, logits, torch.stack(ks), torch.stack(vs)
+
+    # a code object of its own: dynamo keeps its graphs (and checks their guards, in turn,
+    # on every call) per code object, so each layer range gets a short list of its own
+    code = core.__code__.replace(co_name=f"micro_layers_{lo}_{hi}{'_head' if head else ''}")
+    return types.FunctionType(code, core.__globals__, code.co_name, core.__defaults__,
+                              core.__closure__)

@@ -1,0 +1,115 @@
+"""Compiled passes (micro/compiled.py): the same numbers as eager micro up to float
+rounding, the KV rows written where eager writes them, and -- the invariant -- speculative
+greedy equal to plain greedy for every drafter when every pass is compiled."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from micro.checkpoint import load_model, load_tokenizer
+from micro.model import KVCache
+from server.sequence import tree_attention_mask
+from tests.engine.helpers import all_configs, generate
+
+CONFIGS = all_configs()
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint_dir):
+    """micro-layerskip eager and compiled (one compile per family for the module)."""
+    eager = load_model("micro-layerskip", checkpoint_dir)
+    compiled = load_model("micro-layerskip", checkpoint_dir).compile()
+    return eager, compiled
+
+
+def _prefilled(model, n: int, seed: int = 0) -> tuple[KVCache, list[int]]:
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    cache = KVCache(model.config, 2)
+    with torch.inference_mode():
+        model(ids[None], cache=cache, slot=1, start=0)
+    cache.set_length(1, n)
+    return cache, ids.tolist()
+
+
+@pytest.mark.parametrize("T, tree", [(1, False), (5, False), (7, True)])
+def test_a_compiled_pass_matches_eager(pair, T, tree):
+    eager, compiled = pair
+    ce, _ = _prefilled(eager, 40)
+    cc, _ = _prefilled(eager, 40)  # the same prefix, written eagerly, for both
+    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
+    pos, mask = None, None
+    if tree:  # two branches under the current token
+        mask = tree_attention_mask(torch.tensor([-1, 0, 1, -1, 3, 4]))
+        pos = 40 + torch.tensor([0, 1, 2, 3, 1, 2, 3])
+    le, he = eager.verify_pass(ids, ce, 1, 40, pos, mask)
+    lc, hc = compiled.verify_pass(ids, cc, 1, 40, pos, mask)
+    assert compiled.compiled.compile_seconds > 0  # it did run compiled
+    torch.testing.assert_close(lc, le, rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(hc, he, rtol=1e-4, atol=2e-4)
+    # the block's keys and values went to rows [40, 40+T) of slot 1, nothing else changed
+    torch.testing.assert_close(cc.k, ce.k, rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(cc.v, ce.v, rtol=1e-4, atol=2e-4)
+    assert cc.k[:, 0].abs().sum() == 0 and cc.lengths == ce.lengths == [0, 40]
+
+
+def test_early_exit_ranges_match_eager(pair):
+    eager, compiled = pair
+    ce, _ = _prefilled(eager, 30)
+    cc, _ = _prefilled(eager, 30)
+    x = torch.tensor([[11]])
+    with torch.inference_mode():
+        for E in (1, 3):
+            pos = torch.tensor([[30]])
+            he = eager.run_layers(eager.embed(x), pos, 0, E, cache=ce, slot=1, start=30)
+            hc = compiled.run_layers(compiled.embed(x), pos, 0, E, cache=cc, slot=1, start=30)
+            torch.testing.assert_close(hc, he, rtol=1e-4, atol=2e-4)
+            le = eager(x, cache=ce, slot=1, start=30, exit_layer=E)
+            lc = compiled(x, cache=cc, slot=1, start=30, exit_layer=E)
+            torch.testing.assert_close(lc, le, rtol=1e-4, atol=2e-4)
+
+
+def test_short_contexts_and_cold_families_run_eager(checkpoint_dir):
+    model = load_model("micro", checkpoint_dir).compile(lazy=False)
+    cache, _ = _prefilled(model, 20)
+    x = torch.zeros(1, 160)
+    run = model.compiled.run
+    assert run(x, torch.tensor([20]), 0, 4, cache, 1, 20, None, True) is None  # not warmed
+    assert run(x, torch.tensor([1]), 0, 4, cache, 1, 1, None, True) is None  # prefix < 2
+    # eager fallback gives the right answer all the same
+    want = load_model("micro", checkpoint_dir).verify_pass(torch.tensor([5]), cache, 1, 20)
+    got = model.verify_pass(torch.tensor([5]), cache, 1, 20)
+    assert torch.equal(got[0], want[0])
+
+
+@pytest.fixture(scope="module")
+def compiled_models(checkpoint_dir):
+    return {name: load_model(name, checkpoint_dir).compile()
+            for name in ("micro", "micro-layerskip")}
+
+
+@pytest.mark.parametrize("name", ["micro", "micro-layerskip"])
+def test_greedy_equivalence_with_compiled_passes(compiled_models, checkpoint_dir, name):
+    model = compiled_models[name]
+    eager = load_model(name, checkpoint_dir)
+    tok = load_tokenizer()
+    texts = ["def fibonacci(n):\n    ", "import os\nimport sys\nimport os\nimport sys\nimport",
+             "class Queue:\n    \"\"\"A"]
+
+    @settings(max_examples=6, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(text=st.sampled_from(texts), max_tokens=st.integers(1, 40))
+    def check(text, max_tokens):
+        prompt = tok.encode(text)
+        want, _, _ = generate(model, prompt, max_tokens, model_name=name)
+        # compiled plain greedy is eager plain greedy (micro's argmax has no near-ties here)
+        assert want == generate(eager, prompt, max_tokens, model_name=name)[0]
+        shared: dict = {}
+        for method, params in CONFIGS:
+            got, seq, _ = generate(model, prompt, max_tokens, method, params, shared=shared,
+                                   model_name=name)
+            assert got == want, (name, method, params)
+            assert seq.stats.drafter_errors == 0
+
+    check()
+    assert len(model.compiled._ready) >= 2  # one-row and multi-row graphs did the work

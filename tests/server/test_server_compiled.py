@@ -1,0 +1,42 @@
+"""The server with compiled passes (``--compile true``, the default outside the tests): it
+serves while the graphs compile in the background, says so on /health, and once they are
+ready answers greedy requests with the same tokens as the eager server."""
+
+import time
+
+import httpx
+from server_testing import LiveServer
+
+from server.settings import Settings
+
+METHODS = ["none", "prompt_lookup", "suffix", {"method": "early_exit", "exit_layer": 2},
+           "eagle", "auto"]
+PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return"
+
+
+def _complete(url: str, speculation) -> dict:
+    r = httpx.post(url + "/v1/completions", timeout=120,
+                   json={"model": "micro-layerskip", "prompt": PROMPT, "max_tokens": 24,
+                         "temperature": 0, "speculation": speculation})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoints, live):
+    settings = Settings(checkpoints=serve_checkpoints, threads=1, compile=True)
+    with LiveServer(settings) as server:
+        first = httpx.get(server.url + "/health").json()
+        assert first["compiled"] in ("warming", "ready")
+        early = _complete(server.url, "none")  # served at once, eager or compiled
+        end = time.monotonic() + 600
+        while httpx.get(server.url + "/health").json()["compiled"] != "ready":
+            assert time.monotonic() < end, "compiled passes not ready after 600 s"
+            time.sleep(0.5)
+        compiled = server.service.models["micro-layerskip"].compiled
+        assert compiled is not None and compiled._ready
+        for speculation in METHODS:
+            got = _complete(server.url, speculation)
+            want = _complete(live.url, speculation)
+            assert got["choices"][0]["text"] == want["choices"][0]["text"], speculation
+        assert early["choices"][0]["text"] == _complete(live.url, "none")["choices"][0]["text"]
+    assert httpx.get(live.url + "/health").json()["compiled"] == "off"
