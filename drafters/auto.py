@@ -37,6 +37,7 @@ its Jacobi window must run in every pass to be of use, which auto cannot promise
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 import weakref
@@ -178,12 +179,22 @@ class Auto:
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
         self.est = {n: dataclasses.replace(self.global_est.get(n, _Estimate())) for n in self.drafters}
         self.states: dict[str, dict] = {n: {} for n in self.drafters}
+        self._subs: dict[str, DraftContext] = {}
         self.last: tuple[str, int] | None = None  # (drafter, depth) of the last draft
         self.proposals: dict[str, list[int]] = {}  # this step's cheap chains, by drafter
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
-        return dataclasses.replace(ctx, state=self.states[name])
+        """The request's context with this drafter's own state. One object per drafter,
+        refreshed field by field: ``dataclasses.replace`` per call was a sixth of an
+        iteration at 32 streams (four drafters observe every step)."""
+        sub = self._subs.get(name)
+        if sub is None:
+            sub = self._subs[name] = copy.copy(ctx)
+        else:
+            sub.__dict__.update(ctx.__dict__)
+        sub.state = self.states[name]
+        return sub
 
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
         t0 = time.perf_counter()
