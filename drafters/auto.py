@@ -102,10 +102,10 @@ def _compiled_state(model) -> int:
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
     """The pass-cost table for this model, measured once per model object in this process
-    (and again when its compiled graphs change). Timed in the request's own KV slot, on the rows past its
-    committed length (scratch until verification overwrites them), so the passes timed
-    are the ones that will run -- the same cache, so the same compiled graphs; a private
-    cache when the slot has no room."""
+    (and again when its compiled graphs change). Timed in the request's own KV slot, on
+    the rows past its committed length (scratch until verification overwrites them), so
+    the passes timed are the ones that will run -- the same cache, so the same compiled
+    graphs; a private cache when the slot has no room."""
     model = env.model
     costs = _COSTS.setdefault(model, {})
     got = costs.get(_compiled_state(model))
@@ -186,8 +186,9 @@ class Auto:
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
         """The request's context with this drafter's own state. One object per drafter,
-        refreshed field by field: ``dataclasses.replace`` per call was a sixth of an
-        iteration at 32 streams (four drafters observe every step)."""
+        refreshed field by field: with ``dataclasses.replace`` per call (four candidates
+        observe every step) auto's observe took 50 us a step, now 28 (cProfile, 32
+        streams)."""
         sub = self._subs.get(name)
         if sub is None:
             sub = self._subs[name] = copy.copy(ctx)

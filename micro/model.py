@@ -224,11 +224,12 @@ class Micro(nn.Module):
         T = ids.shape[0]
         if pos is None:
             pos = torch.arange(start, start + T)
-        if self.compiled is not None:
+        compiled = self.compiled  # read once: a failed warm-up may reset it meanwhile
+        if compiled is not None:
             mask = None
             if tree_mask is not None:
                 mask = additive_mask(tree_mask, self.tok_embeddings.weight.dtype)
-            done = self.compiled.run(self.embed(ids), pos, 0, self.config.n_layers, cache,
+            done = compiled.run(self.embed(ids), pos, 0, self.config.n_layers, cache,
                                      slot, start, mask, head=True)
             if done is not None:
                 return done[1], done[0]
@@ -245,8 +246,9 @@ class Micro(nn.Module):
         residual stream (T, dim). Compiled when ``compile()`` was called."""
         T = ids.shape[0]
         pos = torch.arange(start, start + T)
-        if self.compiled is not None:
-            done = self.compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
+        compiled = self.compiled
+        if compiled is not None:
+            done = compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
                                      None, head=True)
             if done is not None:
                 return done[1], done[0]
@@ -285,10 +287,11 @@ class Micro(nn.Module):
         ``keep`` (training only: LayerSkip's layer dropout) holds a (B, 1, 1) 0/1 tensor
         per layer, 0 where that sample skips the layer.
         """
-        if (self.compiled is not None and cache is not None and keep is None and hidden is None
+        compiled = self.compiled
+        if (compiled is not None and cache is not None and keep is None and hidden is None
                 and hi > lo and h.shape[0] == 1):
             tt = None if mask is None else mask[:, start:]  # the prefix is always visible
-            done = self.compiled.run(h[0], pos[0], lo, hi, cache, slot, start, tt, head=False)
+            done = compiled.run(h[0], pos[0], lo, hi, cache, slot, start, tt, head=False)
             if done is not None:
                 return done[0][None]
         cos, sin = self.rope_cos[pos][:, None], self.rope_sin[pos][:, None]  # (B, 1, T, D)
@@ -316,9 +319,10 @@ class Micro(nn.Module):
         if pos is None:
             pos = torch.arange(start, start + T).expand(B, T)
         mask = self.block_mask(T, start, tree_mask)
-        if self.compiled is not None and cache is not None and hidden is None and B == 1:
+        compiled = self.compiled
+        if compiled is not None and cache is not None and hidden is None and B == 1:
             tt = None if mask is None else mask[:, start:]
-            done = self.compiled.run(self.embed(idx)[0], pos[0], 0,
+            done = compiled.run(self.embed(idx)[0], pos[0], 0,
                                      exit_layer or self.config.n_layers, cache, slot, start,
                                      tt, head=exit_layer is None)
             if done is not None:

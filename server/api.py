@@ -44,11 +44,13 @@ router = APIRouter()
 @router.get("/health", summary="liveness: answers while generation runs")
 async def health(request: Request) -> dict:
     """``compiled``: ``off`` (eager only), ``warming`` (compiling in the background;
-    served eager meanwhile) or ``ready``."""
+    served eager meanwhile), ``ready``, or ``failed`` (served eager; the log says why)."""
     service = request.app.state.service
     engine = service.engine
     if not service.settings.compile:
         compiled = "off"
+    elif engine is not None and engine.compiled_error is not None:
+        compiled = "failed"
     else:
         compiled = "ready" if engine is not None and engine.compiled_ready else "warming"
     return {"status": "ok", "compiled": compiled}

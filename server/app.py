@@ -95,8 +95,15 @@ class Service:
         if self.settings.compile:
             log.info("nodraft: compiling the single-sequence passes in the background "
                      "(served eager until then)")
-            self.engine.warm_up(lambda s: log.info("nodraft: compiled passes ready (%.0f s)", s))
+            self.engine.warm_up(self._compiled)
         log.info("nodraft: serving %s from %s", ", ".join(names), directory)
+
+    def _compiled(self, seconds: float) -> None:
+        if self.engine.compiled_error is None:
+            log.info("nodraft: compiled passes ready (%.0f s)", seconds)
+        else:
+            log.warning("nodraft: compiling failed, serving eager passes: %s",
+                        self.engine.compiled_error)
 
     @property
     def ready(self) -> bool:

@@ -125,6 +125,7 @@ class Engine:
         self.prefill_tokens = PREFILL_TOKENS
         self.passes = 0  # packed passes run (for tests and the curious)
         self.compiled_ready = False  # warm_up finished
+        self.compiled_error: str | None = None  # warm_up failed: eager passes only
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self._outbox: list[tuple[Handle, Event]] = []  # this iteration's step events
@@ -140,19 +141,25 @@ class Engine:
 
     def warm_up(self, on_done: Callable[[float], None] | None = None) -> threading.Thread:
         """Compile the compiled models' graphs in the background (each on a scratch KV
-        cache shaped like the engine's, freed afterwards); ``on_done(seconds)`` after."""
+        cache shaped like the engine's, freed afterwards); ``on_done(seconds)`` after. A
+        model whose graphs fail to compile goes back to eager (``compiled_error`` says why)."""
         def work() -> None:
             if self.threads:
                 torch.set_num_threads(self.threads)
             t0 = time.perf_counter()
             for name, model in self.models.items():
-                if model.compiled is None or self._stop:
+                compiled = model.compiled
+                if compiled is None or self._stop:
                     continue
                 scratch = KVCache(model.config, self.caches[name].n_slots,
                                   self.caches[name].max_len, self.caches[name].k.dtype)
-                model.compiled.warm_up(scratch, 0)
+                try:
+                    compiled.warm_up(scratch, 0)
+                except Exception as e:  # no C++ compiler, an inductor bug: serve eager
+                    model.compiled = None
+                    self.compiled_error = f"{name}: {type(e).__name__}: {e}"
                 del scratch
-            self.compiled_ready = True
+            self.compiled_ready = self.compiled_error is None
             if on_done is not None:
                 on_done(time.perf_counter() - t0)
 

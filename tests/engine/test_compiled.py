@@ -113,3 +113,35 @@ def test_greedy_equivalence_with_compiled_passes(compiled_models, checkpoint_dir
 
     check()
     assert len(model.compiled._ready) >= 2  # one-row and multi-row graphs did the work
+
+
+def test_a_failed_warm_up_leaves_the_engine_serving_eager(checkpoint_dir):
+    import threading
+
+    from drafters.registry import Registry
+    from server.engine import Engine, GenerationRequest
+
+    model = load_model("micro", checkpoint_dir).compile(lazy=False)
+
+    def broken(cache, slot, early_exit=True):
+        raise RuntimeError("no C++ compiler")
+
+    model.compiled.warm_up = broken
+    engine = Engine({"micro": model}, Registry(), eot_id=None, max_running=2)
+    engine.start()
+    try:
+        engine.warm_up().join(30)
+        assert engine.compiled_error == "micro: RuntimeError: no C++ compiler"
+        assert model.compiled is None and not engine.compiled_ready
+        done, tokens = threading.Event(), []
+
+        def cb(ev):
+            if ev.kind == "step":
+                tokens.extend(ev.step.tokens)
+            else:
+                done.set()
+
+        engine.submit(GenerationRequest("micro", [5, 6, 7, 8], 6), cb)
+        assert done.wait(60) and len(tokens) == 6
+    finally:
+        engine.stop()
