@@ -4,7 +4,7 @@ graph.
 On this CPU a 1-token pass of eager micro is almost all per-operation cost: ~200 small
 kernels and views at 1-10 us each against ~230 us of matrix multiplies. Inductor fuses the
 norms, rotary embeddings, softmax and SwiGLU into a few C++ loops around the matmuls and
-halves the pass (0.90 -> 0.44 ms measured, one thread, 100 cached rows).
+halves the pass (1.04 -> 0.48 ms measured, one thread, 100 cached rows).
 
 What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
 
@@ -16,18 +16,20 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   the block itself (under the block's mask: causal for chains, the tree for trees) are
   soft-maxed together, then each part weights its own values. No concatenation of the
   cache with the block: its cost does not grow with the context.
-- **Shapes.** A graph is first compiled for the sizes it sees; when the context length
-  or the block length changes, dynamo recompiles it with that size symbolic (automatic
-  dynamic shapes), so a few graphs per layer range serve every context and every chain
-  or tree (a 1-row block is its own graph). Every other size stays a constant the
-  generated loops are vectorised over. ``warm_up`` compiles them up front; inductor
-  caches them on disk, so a second process loads them in seconds. (Marking the sizes
-  dynamic by hand would save a compile, but ``maybe_mark_dynamic`` costs ~100 us a call.)
+- **Shapes.** A family (layer range, head or not, one row or several, cache shape) is
+  compiled once, at its first pass, with the context length -- and for several rows the
+  block length -- marked dynamic, so one graph serves every context and every chain or
+  tree. Every other size (heads, widths, the cache's strides) stays a constant the
+  generated loops are vectorised over. ``warm_up`` compiles the families up front;
+  inductor caches them on disk, so a later process builds them faster. The marking
+  (``maybe_mark_dynamic``, ~100 us a call) happens only at that first pass.
 
 The numbers differ from eager micro in the last bits (fused reductions), as eager
-already differs between a 1-row and a k-row pass; every pass of a sequence goes through
-the same path, so speculative and plain greedy decoding stay token-for-token equal (the
-equivalence tests run it).
+already differs between a 1-row and a k-row pass. Prompts are prefilled eagerly, and a
+pass whose family is not compiled yet (or whose cached prefix is under two rows) runs
+eager. Speculative and plain greedy decoding stay token-for-token equal all the same:
+tests/engine/test_compiled.py runs every drafter on both checkpoints with compiled
+passes.
 """
 
 from __future__ import annotations
