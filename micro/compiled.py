@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from micro.model import additive_mask
+
 import torch._dynamo.config as _dynamo_config
 
 # Graphs per code object: early exit's layer ranges and the cache shapes of several engines
@@ -78,8 +80,7 @@ class CompiledPasses:
     def causal(self, T: int, dtype: torch.dtype) -> Tensor:
         m = self._causal.get(T)
         if m is None:
-            allowed = torch.ones(T, T, dtype=torch.bool).tril()
-            m = self._causal[T] = torch.zeros(T, T, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            m = self._causal[T] = additive_mask(torch.ones(T, T, dtype=torch.bool).tril(), dtype)
         return m
 
     def _fn(self, lo: int, hi: int, head: bool):
