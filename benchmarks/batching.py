@@ -51,6 +51,7 @@ def start_server(threads: int, max_running: int, compile: bool = True
     # its log goes to a file: a pipe nobody reads would fill with access lines and block it
     log = tempfile.NamedTemporaryFile("w+", prefix="nodraft-bench-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    print(f"server log: {log.name}", file=sys.stderr)  # kept: its compile time, its errors
     url = f"http://127.0.0.1:{port}"
     for _ in range(3000):
         if proc.poll() is not None:
