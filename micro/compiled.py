@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from micro.model import additive_mask
+from micro.model import additive_mask, apply_rope
 
 import torch._dynamo.config as _dynamo_config
 
@@ -138,13 +138,12 @@ class CompiledPasses:
         if early_exit:
             for E in range(1, L):  # drafting, the last draft token's rows, verification
                 ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, False, 3)]
+        start = MIN_CONTEXT + 6
         lazy, self.lazy = self.lazy, True
-        try:
+        try:  # run() is in inference mode, as the engine's passes: the guards see the same keys
             for lo, hi, head, T in ranges:
-                start = MIN_CONTEXT + 6
-                with torch.inference_mode():  # as the engine's passes: guards see the keys
-                        self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
-                             lo, hi, cache, slot, start, None, head)
+                self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
+                         lo, hi, cache, slot, start, None, head)
         finally:
             self.lazy = lazy
         return time.perf_counter() - t0
@@ -152,11 +151,10 @@ class CompiledPasses:
 
 def _make_core(model, lo: int, hi: int, head: bool):
     c = model.config
-    H, D, F_ = c.n_heads, c.head_dim, c.ffn_dim
+    H, D = c.n_heads, c.head_dim
     scale = 1.0 / math.sqrt(D)
     cos_t, sin_t = model.rope_cos, model.rope_sin
     layers = [model.layers[i] for i in range(lo, hi)]
-    norm, emb = model.norm, model.tok_embeddings
 
     def core(h: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor | None):
         # h (T, dim); pos (T,); k_past, v_past (layers, H, n, D); mask (T, T) additive
@@ -167,7 +165,7 @@ def _make_core(model, lo: int, hi: int, head: bool):
             an, fn = layer.attention_norm, layer.ffn_norm
             x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
             qkv = F.linear(x, layer.attention.wqkv.weight).view(T, 3, H, D)
-            qk = qkv[:, :2] * cos[:, None] + qkv[:, :2].roll(D // 2, dims=-1) * sin[:, None]
+            qk = apply_rope(qkv[:, :2], cos[:, None], sin[:, None])
             q = qk[:, 0].transpose(0, 1)  # (H, T, D)
             k = qk[:, 1].transpose(0, 1)
             v = qkv[:, 2].transpose(0, 1)
@@ -181,11 +179,8 @@ def _make_core(model, lo: int, hi: int, head: bool):
             n = s_past.shape[-1]
             y = torch.matmul(p[..., :n], v_past[j]) + torch.matmul(p[..., n:], v)  # (H, T, D)
             h = h + F.linear(y.transpose(0, 1).reshape(T, H * D), layer.attention.wo.weight)
-            x = F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps)
-            gate, up = F.linear(x, layer.feed_forward.w13.weight).split(F_, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.feed_forward.w2.weight)
-        logits = F.linear(F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps),
-                          emb.weight) if head else None
+            h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
+        logits = model.head(h) if head else None
         return h, logits, torch.stack(ks), torch.stack(vs)
 
     # a code object of its own: dynamo keeps its graphs (and checks their guards, in turn,
