@@ -58,6 +58,7 @@ DECAY = 0.85
 class _Estimate:
     accepted: float = 1.0
     rejected: float = 1.0
+    step: int = 0  # the request step it was last brought up to date (drift, see Auto)
 
     @property
     def alpha(self) -> float:
@@ -74,6 +75,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 ROWS = (1, 2, 3, 5, 9, 17)  # the pass sizes timed; between them, linear interpolation
+MAX_ROWS = 65  # the current token and the longest draft auto sends
+MAX_MATCH = 8  # match lengths at or above this share one estimate
 
 
 class PassCost:
@@ -84,8 +87,13 @@ class PassCost:
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)
         self.secs = [table[r] for r in self.rows]
+        # every size a draft can reach, looked up rather than interpolated per call
+        self.by_rows = [self._interpolate(r) for r in range(MAX_ROWS + 1)]
 
     def __call__(self, rows: int) -> float:
+        return self.by_rows[rows] if rows <= MAX_ROWS else self._interpolate(rows)
+
+    def _interpolate(self, rows: int) -> float:
         r, s = self.rows, self.secs
         if rows <= r[0]:
             return s[0]
@@ -155,8 +163,8 @@ class Auto:
             bad = sorted(set(names) - set(CHEAP) - set(TRAINED))
             if bad or not names:
                 raise ValueError(f"candidates must be among {list(CHEAP + TRAINED)}, got {bad or names}")
-            if not 1 <= self.num_speculative_tokens <= 64:
-                raise ValueError("num_speculative_tokens must be in 1..64")
+            if not 1 <= self.num_speculative_tokens <= MAX_ROWS - 1:
+                raise ValueError(f"num_speculative_tokens must be in 1..{MAX_ROWS - 1}")
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
@@ -172,16 +180,19 @@ class Auto:
                 if name in TRAINED:  # no trained weights for this model: not a candidate
                     continue
                 raise
+        self.cheap = [n for n in CHEAP if n in self.drafters]
+        self.trained = [n for n in TRAINED if n in self.drafters]
         self.env = env
         self.cost: PassCost | None = None  # measured at the first propose
-        # server-wide acceptance per drafter (per model), and drafting seconds
-        self.global_est: dict[str, _Estimate] = env.shared.setdefault("auto_alpha", {})
+        # server-wide acceptance per (drafter, match length), and drafting seconds
+        self.global_est: dict[tuple[str, int], _Estimate] = env.shared.setdefault("auto_alpha", {})
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
-        self.est = {n: dataclasses.replace(self.global_est.get(n, _Estimate())) for n in self.drafters}
+        self.est: dict[tuple[str, int], _Estimate] = {}  # this request's, same keys
+        self.step = 0
         self.states: dict[str, dict] = {n: {} for n in self.drafters}
         self._subs: dict[str, DraftContext] = {}
-        self.last: tuple[str, int] | None = None  # (drafter, depth) of the last draft
-        self.proposals: dict[str, list[int]] = {}  # this step's cheap chains, by drafter
+        self.last: tuple[tuple[str, int], int] | None = None  # (key, depth) of the last draft
+        self.proposals: dict[tuple[str, int], list[int]] = {}  # this step's cheap chains
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
@@ -197,6 +208,26 @@ class Auto:
         sub.state = self.states[name]
         return sub
 
+    def _estimate(self, key: tuple[str, int]) -> _Estimate:
+        """This request's estimate for ``key`` (drafter, match length), first copied from
+        the server's. Each step it is not updated it drifts 5% back towards the server's
+        figure (applied when next read), so a text that turns repetitive is noticed."""
+        est = self.est.get(key)
+        g = self.global_est.get(key)
+        if est is None:
+            est = self.est[key] = dataclasses.replace(g) if g is not None else _Estimate()
+        elif g is not None and est.step < self.step:
+            w = 0.95 ** (self.step - est.step)
+            est.accepted = w * est.accepted + (1 - w) * g.accepted
+            est.rejected = w * est.rejected + (1 - w) * g.rejected
+        est.step = self.step
+        return est
+
+    def _observe(self, key: tuple[str, int], depth: int, accepted: int) -> None:
+        self._estimate(key).observe(depth, accepted)
+        self.est[key].step = self.step + 1  # updated this step: no drift for it
+        self.global_est.setdefault(key, _Estimate()).observe(depth, accepted, 0.98)
+
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
         t0 = time.perf_counter()
         draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
@@ -208,29 +239,43 @@ class Auto:
     def _goodput(self, alpha: float, k: int, rows: int, seconds: float) -> float:
         return expected_tokens(alpha, k) / (self.cost(1 + rows) + seconds)
 
+    def _best_length(self, alpha: float, n: int) -> tuple[float, int]:
+        """(goodput, k): the chain length k <= n with the best expected goodput."""
+        by_rows = self.cost.by_rows
+        best_g, best_k, tokens, a = 0.0, 0, 1.0, 1.0
+        for k in range(1, n + 1):
+            a *= alpha
+            tokens += a
+            g = tokens / by_rows[k + 1]
+            if g > best_g:
+                best_g, best_k = g, k
+        return best_g, best_k
+
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
-        best_name, best_draft, best_g = None, Draft.empty(), 1.0 / self.cost(1)  # none
+        best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
-        for name in (n for n in CHEAP if n in self.drafters):
+        for name in self.cheap:
             draft = self._timed(name, ctx, budget)
             if not len(draft):
                 continue
-            if draft.parents is None:
-                self.proposals[name] = draft.tokens.tolist()
-            alpha = self.est[name].alpha
-            depth = max(draft.depths())
+            key = (name, min(draft.match_len, MAX_MATCH))
+            alpha = self._estimate(key).alpha
             if draft.parents is None:  # a chain: trim to the best length
-                g, k = max((self._goodput(alpha, k, k, 0.0), k) for k in range(1, len(draft) + 1))
-                draft = draft.prefix(k)
+                tokens = draft.tokens.tolist()
+                self.proposals[key] = tokens
+                g, k = self._best_length(alpha, len(tokens))
+                if g > best_g:
+                    best_key, best_draft, best_g = key, (draft, k), g
             else:
-                g = self._goodput(alpha, depth, len(draft), 0.0)
-            if g > best_g:
-                best_name, best_draft, best_g = name, draft, g
-        for name in (n for n in TRAINED if n in self.drafters):
-            alpha = self.est[name].alpha
+                g = self._goodput(alpha, max(draft.depths()), len(draft), 0.0)
+                if g > best_g:
+                    best_key, best_draft, best_g = key, (draft, len(draft)), g
+        for name in self.trained:
+            key = (name, 0)
+            alpha = self._estimate(key).alpha
             # not yet measured on this server: assume a draft step costs one target pass
             # (EAGLE's measured 0.8-0.9 of a pass here, Medusa's 0.7), so it is tried only
             # when that would still pay
@@ -242,39 +287,36 @@ class Auto:
             if g > best_g:
                 draft = self._timed(name, ctx, budget)
                 if len(draft):
-                    best_name, best_draft, best_g = name, draft, g
-        if best_name is None:  # nothing pays: plain decoding, and its figures say so
+                    best_key, best_draft, best_g = key, (draft, len(draft)), g
+        if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            return dataclasses.replace(Draft.empty(), method="none")
-        self.last = (best_name, max(best_draft.depths()))
-        return dataclasses.replace(best_draft, method=best_name)
+            return _NONE
+        draft, k = best_draft
+        if k < len(draft):
+            draft = draft.prefix(k)
+        self.last = (best_key, max(draft.depths()))
+        return dataclasses.replace(draft, method=best_key[0])
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         if self.last is not None:
-            name, depth = self.last
-            self.est[name].observe(depth, len(accepted))
-            self.global_est.setdefault(name, _Estimate()).observe(depth, len(accepted), 0.98)
+            key, depth = self.last
+            self._observe(key, depth, len(accepted))
         # the cheap chains not sent are judged against the tokens the pass did emit, so a
         # drafter auto passed over is still measured (else its estimate would stay at the
         # prior and it would never be picked again)
         emitted = ctx.tokens[len(ctx.tokens) - len(accepted) - 1:]
-        for name, proposal in self.proposals.items():
-            if self.last is not None and name == self.last[0]:
+        for key, proposal in self.proposals.items():
+            if self.last is not None and key[0] == self.last[0][0]:
                 continue
-            n = 0
-            while n < min(len(proposal), len(emitted)) and proposal[n] == emitted[n]:
+            n, m = 0, min(len(proposal), len(emitted))
+            while n < m and proposal[n] == emitted[n]:
                 n += 1
-            if n < min(len(proposal), len(emitted)):  # it would have been rejected at n
-                self.est[name].observe(len(proposal), n)
+            if n < m:  # it would have been rejected at n
+                self._observe(key, len(proposal), n)
             else:  # all it could be checked on was right (the rest is unknown)
-                self.est[name].observe(n, n)
+                self._observe(key, n, n)
         self.proposals = {}
-        for name, est in self.est.items():  # unused estimates drift back to the server's
-            if self.last is None or name != self.last[0]:
-                g = self.global_est.get(name)
-                if g is not None:
-                    est.accepted = 0.95 * est.accepted + 0.05 * g.accepted
-                    est.rejected = 0.95 * est.rejected + 0.05 * g.rejected
+        self.step += 1
         for name, drafter in self.drafters.items():  # every drafter keeps its state current
             drafter.observe(self._ctx(ctx, name), accepted)
         self.last = None
@@ -285,3 +327,5 @@ class Auto:
             if close is not None:
                 close(self._ctx(ctx, name))
 
+
+_NONE = Draft(torch.empty(0, dtype=torch.long), method="none")

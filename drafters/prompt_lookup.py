@@ -64,7 +64,9 @@ class PromptLookup:
         st["ngram_indexed"] = len(toks) - 2
         return index
 
-    def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int) -> list[int]:
+    def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int
+             ) -> tuple[list[int], int]:
+        """(the draft, the length of the n-gram it matched; 0 without a match)."""
         p = self.params
         for n in range(min(p.ngram_max, len(tokens)), p.ngram_min - 1, -1):
             ends = index.get(tuple(tokens[-n:]))
@@ -74,12 +76,12 @@ class PromptLookup:
                 # at most 2**n tokens
                 k = min(p.num_speculative_tokens, budget,
                         p.num_speculative_tokens if n == p.ngram_max else 2 ** n)
-                return tokens[end + 1:end + 1 + k]
-        return []
+                return tokens[end + 1:end + 1 + k], n
+        return [], 0
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        draft = self.find(ctx.tokens, self._index(ctx), budget)
-        return Draft(torch.tensor(draft, dtype=torch.long))
+        draft, n = self.find(ctx.tokens, self._index(ctx), budget)
+        return Draft(torch.tensor(draft, dtype=torch.long), match_len=n)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         pass  # the index catches up on the next propose

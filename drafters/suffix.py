@@ -1,21 +1,20 @@
 """``suffix``: suffix decoding (Oliaro et al., 2024). Draft cost 0: no model runs.
 
-Two suffix structures, both depth-limited suffix tries (every substring of up to
-``max_depth`` tokens, with occurrence counts):
+Two suffix structures, both read as depth-limited suffix trees (every substring of up
+to ``max_depth`` tokens, with occurrence counts), both kept as a ``SuffixIndex``:
 
-- the request's own: over its prompt and output, extended as tokens arrive;
+- the request's own, over its prompt and output, extended as tokens arrive;
 - a global one over previous responses, shared by all requests on this server and model,
-  bounded to ``max_cached_responses`` (the oldest response leaves first, its counts
-  subtracted).
+  bounded to ``max_cached_responses`` (the oldest response leaves first).
 
 To draft, match the longest suffix of the context (up to ``max_depth // 2`` tokens, so a
-match leaves at least as many levels of the depth-limited trie below it to draft from) in a
-trie, then grow a *tree* best-first from the matched node: a child's estimated probability
-is its parent's times count(child) / count(parent), nodes are added while that stays at or
-above ``min_token_prob``, and the tree holds at most ``max_spec_factor * match_length``
-nodes (the draft grows with the match length), within the step's budget. Of the two tries'
-trees the one with the larger expected accepted length (the sum of its node
-probabilities) is proposed.
+match leaves at least as many levels of the depth-limited tree below it to draft from),
+then grow a *tree* best-first from the matched node: a child's estimated probability is
+its parent's times count(child) / the sum of its siblings' counts, nodes are added while
+that stays at or above ``min_token_prob``, and the tree holds at most
+``max_spec_factor * match_length`` nodes (the draft grows with the match length), within
+the step's budget. Of the two structures' trees the one with the larger expected accepted
+length (the sum of its node probabilities) is proposed.
 """
 
 from __future__ import annotations
@@ -29,85 +28,28 @@ import torch
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv
 
-# A trie node is a list [count, children: dict[token, node]] (lists are cheaper than objects).
-
-
-class SuffixTrie:
-    def __init__(self, max_depth: int):
-        self.max_depth = max_depth
-        self.root: list = [0, {}]
-
-    def add(self, tokens: list[int], sign: int = 1) -> None:
-        """Add (or, with sign = -1, remove) every substring of ``tokens`` up to max_depth."""
-        for i in range(len(tokens)):
-            node = self.root
-            node[0] += sign
-            for t in tokens[i:i + self.max_depth]:
-                child = node[1].get(t)
-                if child is None:
-                    child = node[1][t] = [0, {}]
-                child[0] += sign
-                if child[0] <= 0:
-                    del node[1][t]
-                    break
-                node = child
-
-
-class IncrementalTrie(SuffixTrie):
-    """A suffix trie over a growing sequence: each new token extends the substrings that
-    start at the last ``max_depth`` positions."""
-
-    def __init__(self, max_depth: int):
-        super().__init__(max_depth)
-        self.active: deque = deque()  # nodes of the substrings still growing
-        self.size = 0
-
-    def extend(self, tokens: list[int]) -> None:
-        for t in tokens:
-            self.root[0] += 1
-            self.active.append(self.root)
-            if len(self.active) > self.max_depth:
-                self.active.popleft()
-            for j, node in enumerate(self.active):
-                child = node[1].get(t)
-                if child is None:
-                    child = node[1][t] = [0, {}]
-                child[0] += 1
-                self.active[j] = child
-            self.size += 1
-
-
-def match(trie: SuffixTrie, tokens: list[int], max_len: int) -> tuple[list | None, int]:
-    """The node of the longest suffix of ``tokens`` (<= max_len) that has a continuation."""
-    for m in range(min(max_len, len(tokens)), 0, -1):
-        node = trie.root
-        for t in tokens[len(tokens) - m:]:
-            node = node[1].get(t)
-            if node is None:
-                break
-        if node is not None and node[1]:
-            return node, m
-    return None, 0
-
-
-def grow_tree(node: list, max_nodes: int, min_prob: float) -> tuple[list[int], list[int], float]:
-    """Best-first tree from ``node``: (tokens, parents, expected accepted length)."""
+def grow_tree(root, max_nodes: int, min_prob: float, children
+              ) -> tuple[list[int], list[int], float]:
+    """Best-first tree from ``root``: (tokens, parents, expected accepted length).
+    ``children(node)`` lists (token, count, child node); a child's probability is its
+    parent's times count / the sum of its siblings' counts."""
     tokens: list[int] = []
     parents: list[int] = []
     score = 0.0
     heap: list = []
     counter = 0
 
-    def push(parent_node: list, parent_idx: int, parent_prob: float) -> None:
+    def push(node, parent_idx: int, parent_prob: float) -> None:
         nonlocal counter
-        total = sum(c[0] for c in parent_node[1].values())
-        for t, child in parent_node[1].items():
-            p = parent_prob * child[0] / max(total, 1)
+        kids = children(node)
+        total = sum(c for _, c, _ in kids)
+        for t, c, child in kids:
+            p = parent_prob * c / max(total, 1)
             if p >= min_prob:
                 counter += 1
                 heapq.heappush(heap, (-p, counter, t, child, parent_idx))
 
-    push(node, -1, 1.0)
+    push(root, -1, 1.0)
     while heap and len(tokens) < max_nodes:
         negp, _, t, child, parent_idx = heapq.heappop(heap)
         tokens.append(t)
@@ -115,6 +57,135 @@ def grow_tree(node: list, max_nodes: int, min_prob: float) -> tuple[list[int], l
         score += -negp
         push(child, len(tokens) - 1, -negp)
     return tokens, parents, score
+
+
+class SuffixIndex:
+    """Token sequences, read as a depth-limited suffix trie over them (every substring of
+    up to ``max_depth`` tokens, with occurrence counts), kept as an index of where each
+    n-gram (n <= ``K``) ends: ``K`` dict insertions a token where a trie takes
+    ``max_depth`` (a trie over the request's tokens, updated every step, was half of
+    ``auto``'s per-step time on repeating text; adding a response to the global one stalled
+    the engine for milliseconds). The trie's node for a matched suffix is the set of the
+    suffix's earlier occurrences, so its counts come from grouping those occurrences'
+    continuations, for the few nodes a draft needs. Tested equal to a trie
+    (tests/engine/test_suffix.py).
+
+    Two uses: a request's own tokens (``extend``: ``tokens`` is the request's growing list),
+    and previous responses (``add`` / ``evict_oldest``: each stored after a ``None``
+    separator, so no match or continuation crosses from one response into the next).
+    Positions are absolute; ``base`` is the position of ``tokens[0]`` once evicted
+    responses are cut away."""
+
+    K = 4
+
+    def __init__(self, max_depth: int):
+        self.max_depth = max_depth
+        self.tokens: list = []
+        self.base = 0
+        self.ends: dict[tuple, list[int]] = {}  # n-gram -> end positions, ascending
+        self.indexed = -1  # the request's own: last end position indexed
+        self.stored: deque = deque()  # previous responses: (start, length), oldest first
+
+    def _index(self, start: int, first_end: int, last_end: int, sign: int = 1) -> None:
+        """(Un)index the n-grams ending at first_end..last_end of a sequence at ``start``."""
+        toks, base, ends, k = self.tokens, self.base, self.ends, self.K
+        for end in range(first_end, last_end + 1):
+            for n in range(1, min(k, end - start + 1) + 1):
+                key = tuple(toks[end - n + 1 - base:end + 1 - base])
+                if sign > 0:
+                    ends.setdefault(key, []).append(end)
+                else:  # the oldest occurrence is the first
+                    at = ends[key]
+                    del at[0]
+                    if not at:
+                        del ends[key]
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the request's own tokens (the list the request appends to): every n-gram
+        ending before the current token, ``tokens[-1]``, which is only a continuation."""
+        self.tokens = tokens
+        self._index(0, self.indexed + 1, len(tokens) - 2)
+        self.indexed = max(self.indexed, len(tokens) - 2)
+
+    def add(self, response: list[int]) -> None:
+        self.tokens.append(None)
+        start = self.base + len(self.tokens)
+        self.tokens.extend(response)
+        self.stored.append((start, len(response)))
+        self._index(start, start, start + len(response) - 2)
+
+    def evict_oldest(self) -> None:
+        start, length = self.stored.popleft()
+        self._index(start, start, start + length - 2, sign=-1)
+        cut = (self.stored[0][0] if self.stored else self.base + len(self.tokens)) - self.base
+        if cut > len(self.tokens) // 2:  # drop the evicted tokens once they are the most
+            del self.tokens[:cut]
+            self.base += cut
+
+    def match(self, query: list[int], max_len: int) -> tuple[list[int], int]:
+        """(where the continuations of the longest suffix of ``query`` (<= max_len) with
+        one start, its length)."""
+        n, toks, base = len(query), self.tokens, self.base
+        for m in range(min(self.K, max_len, n), 0, -1):
+            ends = self.ends.get(tuple(query[n - m:]))
+            if ends:
+                break
+        else:
+            return [], 0
+        if m < self.K:
+            return [e + 1 for e in ends], m
+        # extend each occurrence of the K-gram backwards, up to max_len
+        best, starts, limit = m, [], min(max_len, n)
+        for e in ends:
+            length = m
+            while (length < limit and e - length >= base
+                   and toks[e - length - base] == query[n - 1 - length]):
+                length += 1
+            if length > best:
+                best, starts = length, [e + 1]
+            elif length == best:
+                starts.append(e + 1)
+        return starts, best
+
+    def draft(self, query: list[int], max_len: int, max_nodes, min_prob: float):
+        """The continuation tree under the longest matched suffix of ``query``: (tokens,
+        parents, expected accepted length, match length), or None without a match.
+        ``max_nodes(m)`` is the node budget for a match of length m."""
+        starts, m = self.match(query, max_len)
+        if not m:
+            return None
+        toks, base, depth_left = self.tokens, self.base, self.max_depth - m
+        size = base + len(toks)
+
+        def follow(positions: list[int]) -> list[tuple[int, int]]:  # (token, position)
+            return [(t, p) for p in positions if p < size and (t := toks[p - base]) is not None]
+
+        def children(node):  # node: (continuation positions, depth below the match)
+            positions, depth = node
+            if depth >= depth_left:
+                return []
+            groups: dict[int, list[int]] = {}
+            for t, p in follow(positions):
+                groups.setdefault(t, []).append(p + 1)
+            return [(t, len(g), (g, depth + 1)) for t, g in groups.items()]
+
+        # While every occurrence continues alike, the tree is a chain of probability 1:
+        # walked directly (on repeating text, most drafts), the heap only past a fork.
+        limit = max_nodes(m)
+        chain, positions = [], starts
+        while len(chain) < limit and len(chain) < depth_left:
+            live = follow(positions)
+            if not live:
+                break
+            t = live[0][0]
+            if len(live) > 1 and any(u != t for u, _ in live):
+                break
+            chain.append(t)
+            positions = [p + 1 for _, p in live]
+        k = len(chain)
+        rest, parents, score = grow_tree((positions, k), limit - k, min_prob, children)
+        return (chain + rest, list(range(-1, k - 1)) + [q + k if q >= 0 else k - 1 for q in parents],
+                k + score, m)
 
 
 class SuffixDecoding:
@@ -142,49 +213,48 @@ class SuffixDecoding:
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
-        # The global trie is shared by every request of this model; the server's engine
+        # The global index is shared by every request of this model; the server's engine
         # thread is its only user, so it needs no lock.
-        g = env.shared.setdefault("suffix_global", {})
-        if g.get("max_depth") != params.max_depth:
-            g.update(max_depth=params.max_depth, trie=SuffixTrie(params.max_depth),
-                     responses=deque())
-        self.global_state = g
+        g = env.shared.get("suffix_global")
+        if g is None or g.max_depth != params.max_depth:
+            g = env.shared["suffix_global"] = SuffixIndex(params.max_depth)
+        self.global_index: SuffixIndex = g
 
-    def _local(self, ctx: DraftContext) -> IncrementalTrie:
-        trie = ctx.state.get("suffix_trie")
-        if trie is None:
-            trie = ctx.state["suffix_trie"] = IncrementalTrie(self.params.max_depth)
-        trie.extend(ctx.tokens[trie.size:])
-        return trie
+    def _local(self, ctx: DraftContext) -> SuffixIndex:
+        local = ctx.state.get("suffix_local")
+        if local is None:
+            local = ctx.state["suffix_local"] = SuffixIndex(self.params.max_depth)
+        local.extend(ctx.tokens)
+        return local
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         p = self.params
-        best = ([], [], 0.0)
-        tail = ctx.tokens
-        for trie in (self._local(ctx), self.global_state["trie"]):
-            node, m = match(trie, tail, p.max_depth // 2)
-            if node is None:
-                continue
-            limit = min(budget, p.num_speculative_tokens, max(1, int(p.max_spec_factor * m)))
-            cand = grow_tree(node, limit, p.min_token_prob)
-            if cand[2] > best[2]:
+        tokens, max_len = ctx.tokens, p.max_depth // 2
+
+        def limit(m: int) -> int:  # the draft grows with the match length
+            return min(budget, p.num_speculative_tokens, max(1, int(p.max_spec_factor * m)))
+
+        best = None
+        for index in (self._local(ctx), self.global_index):
+            cand = index.draft(tokens, max_len, limit, p.min_token_prob)
+            if cand is not None and (best is None or cand[2] > best[2]):
                 best = cand
-        tokens, parents, _ = best
-        if not tokens:
+        if best is None:
             return Draft.empty()
+        tokens, parents, _, m = best
         chain = parents == list(range(-1, len(parents) - 1))
-        return Draft(torch.tensor(tokens), None if chain else torch.tensor(parents))
+        return Draft(torch.tensor(tokens), None if chain else torch.tensor(parents), match_len=m)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
-        pass  # the request's trie catches up on the next propose
+        pass  # the request's index catches up on the next propose
 
     def close(self, ctx: DraftContext) -> None:
-        """Add the finished response to the global trie, evicting the oldest beyond the cap."""
-        g, cap = self.global_state, self.params.max_cached_responses
+        """Add the finished response to the global index, evicting the oldest beyond the
+        cap."""
+        g, cap = self.global_index, self.params.max_cached_responses
         response = ctx.tokens[ctx.prompt_len:]
         if cap == 0 or not response:
             return
-        g["trie"].add(response)
-        g["responses"].append(response)
-        while len(g["responses"]) > cap:
-            g["trie"].add(g["responses"].popleft(), sign=-1)
+        g.add(response)
+        while len(g.stored) > cap:
+            g.evict_oldest()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.auto import Auto, expected_tokens
+from drafters.auto import Auto, _Estimate, expected_tokens
 from drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
 from tests.engine.helpers import generate, drafter_env
@@ -50,8 +50,13 @@ def test_acceptance_learned_by_one_request_informs_the_next():
     shared: dict = {}
     prompt = [4, 8, 15, 16, 23, 42] * 6
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
-    est = shared["prompt_lookup"] if "prompt_lookup" in shared and "auto_alpha" not in shared else shared
-    assert "auto_alpha" in est and est["auto_alpha"]["prompt_lookup"].accepted > 1.0
+    # kept per (drafter, match length): the 3-gram matches of a repeated prompt
+    learned = shared["auto_alpha"][("prompt_lookup", 3)]
+    assert learned.accepted > 1.0
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    assert auto._estimate(("prompt_lookup", 3)).alpha == learned.alpha
+    assert auto._estimate(("prompt_lookup", 7)).alpha == 0.5  # nothing learned there
 
 
 def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitted():
@@ -63,17 +68,46 @@ def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitte
     tokens = [5, 9, 11, 3, 7, 2] * 4
     ctx = DraftContext(list(tokens), len(tokens), MODEL, KVCache(MODEL.config, 1), 0)
     auto.propose(ctx, 16)
-    proposal = auto.proposals["prompt_lookup"]
+    key = ("prompt_lookup", 3)  # its 3-gram [3 7 2] matched
+    proposal = auto.proposals[key]
     assert proposal[:3] == [5, 9, 11]
-    before = (auto.est["prompt_lookup"].accepted, auto.est["prompt_lookup"].rejected)
-    auto.last = ("suffix", 3)  # as if suffix's draft had been sent instead
+    before = (auto.est[key].accepted, auto.est[key].rejected)
+    auto.last = (("suffix", 8), 3)  # as if suffix's draft had been sent instead
     ctx.tokens += [5, 9, 63]  # two draft tokens accepted, then a bonus token
     auto.observe(ctx, [5, 9])
-    after = auto.est["prompt_lookup"]
+    after = auto.est[key]
     # prompt lookup's chain would have had 2 accepted, then a rejection
     assert after.accepted == pytest.approx(before[0] * 0.85 + 2)
     assert after.rejected == pytest.approx(before[1] * 0.85 + 1)
     assert auto.proposals == {}
+
+
+def test_an_estimate_not_updated_drifts_back_to_the_servers_figure():
+    shared: dict = {}
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    key = ("prompt_lookup", 2)
+    est = auto._estimate(key)
+    est.accepted, est.rejected = 1.0, 9.0  # this request: rarely accepted
+    shared["auto_alpha"][key] = _Estimate(9.0, 1.0)  # the server: mostly accepted
+    auto.step += 10
+    drifted = auto._estimate(key)
+    w = 0.95 ** 10
+    assert drifted.accepted == pytest.approx(w * 1.0 + (1 - w) * 9.0)
+    assert drifted.rejected == pytest.approx(w * 9.0 + (1 - w) * 1.0)
+    assert auto._estimate(key).accepted == drifted.accepted  # applied once
+
+
+def test_auto_trims_a_chain_where_one_more_token_stops_paying():
+    from drafters.auto import PassCost
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL))
+    auto.cost = PassCost({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: 2.0, 17: 4.0})
+    for alpha, n in ((0.5, 16), (0.9, 16), (0.97, 16), (0.9, 3)):
+        g, k = auto._best_length(alpha, n)
+        brute = max((expected_tokens(alpha, j) / auto.cost(j + 1), -j) for j in range(1, n + 1))
+        assert (g, k) == (pytest.approx(brute[0]), -brute[1])
 
 
 def test_pass_cost_interpolates_its_measured_table():

@@ -1,0 +1,123 @@
+"""Suffix decoding's index drafts exactly what a depth-limited suffix trie over the same
+sequences drafts (the structure the paper describes; the trie here is the oracle), for a
+request's own growing tokens and for the global store of previous responses as it
+evicts."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafters.base import DraftContext
+from drafters.registry import DrafterEnv
+from drafters.suffix import SuffixDecoding, SuffixIndex, grow_tree
+from micro.model import KVCache
+from tests.conftest import TINY, tiny_model
+
+MODEL = tiny_model()
+
+
+class Trie:
+    """Every substring of up to max_depth tokens of each sequence, with counts; a node is
+    [count, {token: node}]."""
+
+    def __init__(self, max_depth: int, sequences):
+        self.root = [0, {}]
+        for seq in sequences:
+            for i in range(len(seq)):
+                node = self.root
+                for t in seq[i:i + max_depth]:
+                    node = node[1].setdefault(t, [0, {}])
+                    node[0] += 1
+
+    def draft(self, query, max_len, limit, min_prob):
+        for m in range(min(max_len, len(query)), 0, -1):  # the longest suffix continued
+            node = self.root
+            for t in query[len(query) - m:]:
+                node = node[1].get(t)
+                if node is None:
+                    break
+            if node is not None and node[1]:
+                kids = lambda nd: [(t, c[0], c) for t, c in nd[1].items()]  # noqa: E731
+                return (*grow_tree(node, limit(m), min_prob, kids), m)
+        return None
+
+
+def brute_match(tokens, max_len):
+    """The longest suffix (<= max_len) occurring earlier with a following token."""
+    n = len(tokens)
+    for m in range(min(max_len, n - 1), 0, -1):
+        tail = tokens[n - m:]
+        if any(tokens[i:i + m] == tail for i in range(0, n - m)):
+            return m
+    return 0
+
+
+# few distinct tokens, so matches, long ones and ties are common
+sequences = st.lists(st.integers(0, 3), min_size=1, max_size=120) | st.lists(
+    st.sampled_from([5, 6, 7, 8, 9, 5, 5]), min_size=1, max_size=60).map(lambda x: x * 3)
+depths, probs, factors = (st.sampled_from([4, 8, 12, 32]), st.sampled_from([0.01, 0.1, 0.5]),
+                          st.sampled_from([0.5, 1.0, 4.0]))
+
+
+def limiter(factor):
+    return lambda m: min(16, max(1, int(factor * m)))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(sequences, depths, probs, factors, st.integers(1, 60))
+def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_prob, factor, grow_by):
+    index = SuffixIndex(max_depth)
+    grown = tokens[:max(1, len(tokens) - grow_by)]
+    index.extend(grown)  # the request's list grows, as a request's tokens arrive
+    grown += tokens[len(grown):]
+    index.extend(grown)
+    starts, m = index.match(tokens, max_depth // 2)
+    assert m == brute_match(tokens, max_depth // 2)
+    limit = limiter(factor)
+    assert index.draft(tokens, max_depth // 2, limit, min_prob) == Trie(max_depth, [tokens]).draft(
+        tokens, max_depth // 2, limit, min_prob)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=30), min_size=1, max_size=12),
+       st.integers(1, 5), st.lists(st.integers(0, 3), min_size=1, max_size=12),
+       depths, probs, factors)
+def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
+        responses, cap, query, max_depth, min_prob, factor):
+    index = SuffixIndex(max_depth)
+    for r in responses:
+        index.add(list(r))
+        while len(index.stored) > cap:
+            index.evict_oldest()
+    kept = responses[-cap:]
+    limit = limiter(factor)
+    assert index.draft(query, max_depth // 2, limit, min_prob) == Trie(max_depth, kept).draft(
+        query, max_depth // 2, limit, min_prob)
+    # the evicted responses' tokens are cut away once they are most of the store
+    assert len(index.tokens) <= 2 * sum(len(r) + 1 for r in kept)
+
+
+def test_the_draft_follows_the_most_frequent_continuation_as_a_tree():
+    # [1 2] was followed by 3 twice and by 4 once: 3 first, 4 as its sibling
+    tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2]
+    index = SuffixIndex(32)
+    index.extend(tokens)
+    toks, parents, score, m = index.draft(tokens, 16, lambda m: 4, 0.1)
+    # then 3's continuations 9 and 8 (1/3 each; 4's 7 ties and came later)
+    assert m == 2 and toks == [3, 4, 9, 8] and parents == [-1, -1, 0, 0]
+    assert abs(score - sum([2 / 3, 1 / 3, 1 / 3, 1 / 3])) < 1e-9
+
+
+def test_the_drafter_keeps_the_last_responses_and_drafts_from_them():
+    env = DrafterEnv("micro", MODEL, {}, None)
+    drafter = SuffixDecoding(SuffixDecoding.Params(max_cached_responses=2), env)
+    for response in ([40, 41, 42], [50, 51, 52], [60, 61, 62]):
+        drafter.close(DraftContext([1] + response, 1, MODEL, KVCache(TINY, 1), 0))
+    assert list(drafter.global_index.stored) == [(5, 3), (9, 3)]  # (start, length)
+
+    def draft(tokens):
+        return drafter.propose(DraftContext(tokens, len(tokens), MODEL, KVCache(TINY, 1), 0),
+                               8).tokens.tolist()
+
+    # one node per matched token (max_spec_factor 1)
+    assert draft([3, 50]) == [51] and draft([50, 51]) == [52] and draft([60, 61]) == [62]
+    assert draft([3, 40]) == []  # evicted
