@@ -77,9 +77,14 @@ class SuffixIndex:
     responses are cut away."""
 
     K = 4
+    # Occurrences read per match: the most recent ones. A common n-gram (an indentation
+    # run) occurs thousands of times in a store of 256 responses, and a match reads each
+    # of its occurrences; the trie, which counted them all, paid at insertion instead.
+    MAX_OCCURRENCES = 64
 
-    def __init__(self, max_depth: int):
+    def __init__(self, max_depth: int, max_occurrences: int = MAX_OCCURRENCES):
         self.max_depth = max_depth
+        self.max_occurrences = max_occurrences
         self.tokens: list = []
         self.base = 0
         self.ends: dict[tuple, list[int]] = {}  # n-gram -> end positions, ascending
@@ -132,15 +137,21 @@ class SuffixIndex:
                 break
         else:
             return [], 0
+        if len(ends) > self.max_occurrences:
+            ends = ends[-self.max_occurrences:]
         if m < self.K:
             return [e + 1 for e in ends], m
         # extend each occurrence of the K-gram backwards, up to max_len
         best, starts, limit = m, [], min(max_len, n)
+        tail = query[n - limit:]
         for e in ends:
-            length = m
-            while (length < limit and e - length >= base
-                   and toks[e - length - base] == query[n - 1 - length]):
-                length += 1
+            if e - base - limit + 1 >= 0 and toks[e - base - limit + 1:e - base + 1] == tail:
+                length = limit  # the whole way (one comparison in C: loops are common)
+            else:
+                length = m
+                while (length < limit and e - length >= base
+                       and toks[e - length - base] == query[n - 1 - length]):
+                    length += 1
             if length > best:
                 best, starts = length, [e + 1]
             elif length == best:

@@ -65,7 +65,7 @@ def limiter(factor):
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(sequences, depths, probs, factors, st.integers(1, 60))
 def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_prob, factor, grow_by):
-    index = SuffixIndex(max_depth)
+    index = SuffixIndex(max_depth, max_occurrences=10**9)  # the trie counts them all
     grown = tokens[:max(1, len(tokens) - grow_by)]
     index.extend(grown)  # the request's list grows, as a request's tokens arrive
     grown += tokens[len(grown):]
@@ -83,7 +83,7 @@ def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_pro
        depths, probs, factors)
 def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
         responses, cap, query, max_depth, min_prob, factor):
-    index = SuffixIndex(max_depth)
+    index = SuffixIndex(max_depth, max_occurrences=10**9)
     for r in responses:
         index.add(list(r))
         while len(index.stored) > cap:
@@ -105,6 +105,15 @@ def test_the_draft_follows_the_most_frequent_continuation_as_a_tree():
     # then 3's continuations 9 and 8 (1/3 each; 4's 7 ties and came later)
     assert m == 2 and toks == [3, 4, 9, 8] and parents == [-1, -1, 0, 0]
     assert abs(score - sum([2 / 3, 1 / 3, 1 / 3, 1 / 3])) < 1e-9
+
+
+def test_a_match_reads_its_most_recent_occurrences_only():
+    # [1 2] followed by 3 four times, then by 4 twice
+    tokens = [1, 2, 3] * 4 + [1, 2, 4] * 2 + [1, 2]
+    for cap, want in ((100, [3]), (2, [4])):
+        index = SuffixIndex(32, max_occurrences=cap)
+        index.extend(tokens)
+        assert index.draft(tokens, 2, lambda m: 1, 0.1)[0] == want
 
 
 def test_the_drafter_keeps_the_last_responses_and_drafts_from_them():
