@@ -13,6 +13,7 @@ Python standard library (never trained on):
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -70,23 +71,42 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
 
 def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str,
                      params: dict | None = None, repeats: int = 5,
-                     model_name: str = "micro") -> tuple[float, Run, float]:
+                     model_name: str = "micro", shared=None) -> tuple[float, Run, float]:
     """(median of none's time / the drafter's time, the drafter's last run, none's median
     seconds). Runs alternate none / drafter so drift on a shared machine hits both.
-    Each drafter run starts with fresh per-request state; suffix decoding's global tree is
-    fresh too, so no run is helped by an earlier identical response."""
+    Each drafter run starts with fresh per-request state and, by default, a fresh server
+    (``shared``: a function returning the server-wide drafter state each run starts
+    from); suffix decoding's global tree is fresh either way, so no run is helped by an
+    earlier identical response."""
     reg = Registry()
-    decode(model, prompt, n_tokens, method, params, reg, model_name=model_name)  # warm-up
+    state = shared or dict
+    decode(model, prompt, n_tokens, method, params, reg, state(), model_name)  # warm-up
     base, ratios = [], []
     run = None
     for _ in range(repeats):
         b = decode(model, prompt, n_tokens, "none", None, reg, model_name=model_name)
-        run = decode(model, prompt, n_tokens, method, params, reg, model_name=model_name)
+        run = decode(model, prompt, n_tokens, method, params, reg, state(), model_name)
         if run.tokens != b.tokens:
             raise AssertionError(f"{method} changed the greedy output")
         base.append(b.seconds)
         ratios.append(b.seconds / run.seconds)
     return statistics.median(ratios), run, statistics.median(base)
+
+
+def warmed_server(model: Micro, prompt: list[int], n_tokens: int, method: str = "auto",
+                  model_name: str = "micro"):
+    """A function returning server-wide drafter state as a server leaves it after one
+    ``method`` request on ``prompt`` (another prompt than the one measured): auto's
+    acceptance estimates per drafter and match length and its drafting times, each call a
+    fresh copy. Suffix decoding's global store is left out: responses to this prompt
+    would not be in a fresh server's store either."""
+    warm: dict = {}
+    decode(model, prompt, n_tokens, method, shared=warm, model_name=model_name)
+    kept = {k: v for k, v in warm.items() if k.startswith("auto_")}
+
+    def shared() -> dict:
+        return copy.deepcopy(kept)
+    return shared
 
 
 def encode_prompts(tok: Tokenizer, prompts: dict[str, str]) -> dict[str, list[int]]:

@@ -47,6 +47,7 @@ import torch
 
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, Registry, SpeculationError
+from drafters.suffix import request_index
 from micro.model import KVCache
 
 CHEAP = ("prompt_lookup", "suffix")
@@ -255,10 +256,11 @@ class Auto:
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
+        request_index(ctx)  # on the request's context, so every candidate reads this one
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
-        for name in self.cheap:
-            draft = self._timed(name, ctx, budget)
+        for name in self.cheap:  # not timed: tens of microseconds, spent before any choice
+            draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
             if not len(draft):
                 continue
             key = (name, min(draft.match_len, MAX_MATCH))
@@ -292,10 +294,9 @@ class Auto:
             self.last = None
             return _NONE
         draft, k = best_draft
-        if k < len(draft):
-            draft = draft.prefix(k)
+        draft = draft.prefix(k, method=best_key[0])
         self.last = (best_key, max(draft.depths()))
-        return dataclasses.replace(draft, method=best_key[0])
+        return draft
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         if self.last is not None:

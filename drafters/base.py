@@ -69,13 +69,16 @@ class Draft:
     def n_aux(self) -> int:
         return 0 if self.aux_tokens is None else int(self.aux_tokens.numel())
 
-    def prefix(self, keep: int) -> "Draft":
-        """The first ``keep`` nodes (parents precede children: any prefix is a valid tree)."""
+    def prefix(self, keep: int, **changes) -> "Draft":
+        """The first ``keep`` nodes (parents precede children: any prefix is a valid tree),
+        with any other fields ``changes`` names."""
+        if keep >= len(self):
+            return dataclasses.replace(self, **changes) if changes else self
         return dataclasses.replace(
             self, tokens=self.tokens[:keep],
             parents=None if self.parents is None else self.parents[:keep],
             probs=None if self.probs is None else self.probs[:keep],
-            exit_hidden=None if self.exit_hidden is None else self.exit_hidden[:keep])
+            exit_hidden=None if self.exit_hidden is None else self.exit_hidden[:keep], **changes)
 
     @staticmethod
     def empty() -> "Draft":
@@ -108,6 +111,9 @@ class DraftContext:
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy)
     generator: torch.Generator | None = None  # the request's random stream (sampled drafts)
     aux_logits: Tensor | None = None  # (m, V) the last pass's logits of Draft.aux_tokens
+    # the request's n-gram index over ``tokens`` (drafters.suffix.request_index), shared
+    # by the match-based drafters
+    ngrams: object | None = None
 
     @property
     def n_cached(self) -> int:

@@ -8,16 +8,17 @@ token is weak). Worked example, with ngram_max = 3 and tokens ``[a b c d a b]`` 
 token ``b``, index 5): the 3-gram ``[d a b]`` never occurred before; the 2-gram ``[a b]``
 ends at index 1, so the draft is ``tokens[2:2 + 4] = [c d a b]``.
 
-Matches are found in O(1) from a per-sequence index of every n-gram's end positions,
-updated as tokens arrive. Defaults chosen by measurement (``benchmarks/prompt_lookup.py``,
-results in docs/BENCHMARKS.md): the **first** match (``match="first"``) and **16** tokens.
-On micro's repeating prompt the first occurrence is the passage being copied, where the
-most recent one is often a repeated phrase inside it (6.40 tokens per pass against 3.05);
-where micro's own output falls into a short loop, the first occurrence also leaves the
-longest run to copy; on an edited copy the two tie. Longer drafts pay wherever a match
-holds (fresh prompt: 5.82 tokens per pass at 8, 8.00 at 16); a full-length miss costs a
-pass over 17 rows instead of 9. Following the previous draft's source
-(continue the copy where the last draft ended) was measured too and changed nothing.
+Matches are found in O(1) from the request's index of every n-gram's end positions,
+updated as tokens arrive (``request_index``, shared with suffix decoding). Defaults
+chosen by measurement (``benchmarks/prompt_lookup.py``, results in docs/BENCHMARKS.md):
+the **first** match (``match="first"``) and **16** tokens. On micro's repeating prompt
+the first occurrence is the passage being copied, where the most recent one is often a
+repeated phrase inside it (6.40 tokens per pass against 3.05); where micro's own output
+falls into a short loop, the first occurrence also leaves the longest run to copy; on an
+edited copy the two tie. Longer drafts pay wherever a match holds (fresh prompt: 5.82
+tokens per pass at 8, 8.00 at 16); a full-length miss costs a pass over 17 rows instead
+of 9. Following the previous draft's source (continue the copy where the last draft
+ended) was measured too and changed nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv
+from drafters.suffix import request_index
 
 
 class PromptLookup:
@@ -51,19 +53,6 @@ class PromptLookup:
     def __init__(self, params: Params, env: DrafterEnv | None = None):
         self.params = params
 
-    def _index(self, ctx: DraftContext) -> dict[tuple, list[int]]:
-        """n-gram -> end positions, for every n-gram ending before the current token."""
-        st = ctx.state
-        index = st.setdefault("ngram_index", {})
-        done = st.get("ngram_indexed", -1)  # last end position indexed
-        toks = ctx.tokens
-        lo, hi = self.params.ngram_min, self.params.ngram_max
-        for end in range(done + 1, len(toks) - 1):
-            for n in range(lo, min(hi, end + 1) + 1):
-                index.setdefault(tuple(toks[end - n + 1:end + 1]), []).append(end)
-        st["ngram_indexed"] = len(toks) - 2
-        return index
-
     def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int
              ) -> tuple[list[int], int]:
         """(the draft, the length of the n-gram it matched; 0 without a match)."""
@@ -80,7 +69,7 @@ class PromptLookup:
         return [], 0
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        draft, n = self.find(ctx.tokens, self._index(ctx), budget)
+        draft, n = self.find(ctx.tokens, request_index(ctx, self.params.ngram_max).ends, budget)
         return Draft(torch.tensor(draft, dtype=torch.long), match_len=n)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:

@@ -76,15 +76,15 @@ class SuffixIndex:
     Positions are absolute; ``base`` is the position of ``tokens[0]`` once evicted
     responses are cut away."""
 
-    K = 4
+    K = 4  # the default: the longest n-gram looked up directly; longer matches extend
     # Occurrences read per match: the most recent ones. A common n-gram (an indentation
     # run) occurs thousands of times in a store of 256 responses, and a match reads each
     # of its occurrences; the trie, which counted them all, paid at insertion instead.
     MAX_OCCURRENCES = 64
 
-    def __init__(self, max_depth: int, max_occurrences: int = MAX_OCCURRENCES):
-        self.max_depth = max_depth
+    def __init__(self, max_occurrences: int = MAX_OCCURRENCES, k: int = K):
         self.max_occurrences = max_occurrences
+        self.K = k
         self.tokens: list = []
         self.base = 0
         self.ends: dict[tuple, list[int]] = {}  # n-gram -> end positions, ascending
@@ -158,14 +158,15 @@ class SuffixIndex:
                 starts.append(e + 1)
         return starts, best
 
-    def draft(self, query: list[int], max_len: int, max_nodes, min_prob: float):
-        """The continuation tree under the longest matched suffix of ``query``: (tokens,
-        parents, expected accepted length, match length), or None without a match.
-        ``max_nodes(m)`` is the node budget for a match of length m."""
+    def draft(self, query: list[int], max_len: int, max_nodes, min_prob: float,
+              max_depth: int):
+        """The continuation tree under the longest matched suffix of ``query`` in a
+        ``max_depth`` trie: (tokens, parents, expected accepted length, match length), or
+        None without a match. ``max_nodes(m)`` is the node budget for a match of length m."""
         starts, m = self.match(query, max_len)
         if not m:
             return None
-        toks, base, depth_left = self.tokens, self.base, self.max_depth - m
+        toks, base, depth_left = self.tokens, self.base, max_depth - m
         size = base + len(toks)
 
         def follow(positions: list[int]) -> list[tuple[int, int]]:  # (token, position)
@@ -199,6 +200,19 @@ class SuffixIndex:
                 k + score, m)
 
 
+def request_index(ctx: DraftContext, k: int | None = None) -> SuffixIndex:
+    """The request's own n-gram index, brought up to date: one per request, kept on the
+    context (``ctx.ngrams``) so that every match-based drafter reading it -- suffix
+    decoding, prompt lookup, both under ``auto`` -- pays its upkeep once. ``k``: the
+    longest n-gram the caller looks up (an index with shorter ones is rebuilt); suffix
+    decoding works with any."""
+    index = ctx.ngrams
+    if index is None or (k is not None and index.K < k):
+        index = ctx.ngrams = SuffixIndex(k=k or SuffixIndex.K)
+    index.extend(ctx.tokens)
+    return index
+
+
 class SuffixDecoding:
     name = "suffix"
 
@@ -226,17 +240,7 @@ class SuffixDecoding:
         self.params = params
         # The global index is shared by every request of this model; the server's engine
         # thread is its only user, so it needs no lock.
-        g = env.shared.get("suffix_global")
-        if g is None or g.max_depth != params.max_depth:
-            g = env.shared["suffix_global"] = SuffixIndex(params.max_depth)
-        self.global_index: SuffixIndex = g
-
-    def _local(self, ctx: DraftContext) -> SuffixIndex:
-        local = ctx.state.get("suffix_local")
-        if local is None:
-            local = ctx.state["suffix_local"] = SuffixIndex(self.params.max_depth)
-        local.extend(ctx.tokens)
-        return local
+        self.global_index: SuffixIndex = env.shared.setdefault("suffix_global", SuffixIndex())
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         p = self.params
@@ -246,8 +250,8 @@ class SuffixDecoding:
             return min(budget, p.num_speculative_tokens, max(1, int(p.max_spec_factor * m)))
 
         best = None
-        for index in (self._local(ctx), self.global_index):
-            cand = index.draft(tokens, max_len, limit, p.min_token_prob)
+        for index in (request_index(ctx), self.global_index):
+            cand = index.draft(tokens, max_len, limit, p.min_token_prob, p.max_depth)
             if cand is not None and (best is None or cand[2] > best[2]):
                 best = cand
         if best is None:

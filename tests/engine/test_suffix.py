@@ -63,9 +63,11 @@ def limiter(factor):
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
-@given(sequences, depths, probs, factors, st.integers(1, 60))
-def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_prob, factor, grow_by):
-    index = SuffixIndex(max_depth, max_occurrences=10**9)  # the trie counts them all
+@given(sequences, depths, probs, factors, st.integers(1, 60), st.sampled_from([1, 3, 4]))
+def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_prob, factor, grow_by,
+                                                      k):
+    # any longest directly-indexed n-gram k: prompt lookup sets it, suffix reads any
+    index = SuffixIndex(max_occurrences=10**9, k=k)  # the trie counts all occurrences
     grown = tokens[:max(1, len(tokens) - grow_by)]
     index.extend(grown)  # the request's list grows, as a request's tokens arrive
     grown += tokens[len(grown):]
@@ -73,7 +75,7 @@ def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_pro
     starts, m = index.match(tokens, max_depth // 2)
     assert m == brute_match(tokens, max_depth // 2)
     limit = limiter(factor)
-    assert index.draft(tokens, max_depth // 2, limit, min_prob) == Trie(max_depth, [tokens]).draft(
+    assert index.draft(tokens, max_depth // 2, limit, min_prob, max_depth) == Trie(max_depth, [tokens]).draft(
         tokens, max_depth // 2, limit, min_prob)
 
 
@@ -83,14 +85,14 @@ def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_pro
        depths, probs, factors)
 def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
         responses, cap, query, max_depth, min_prob, factor):
-    index = SuffixIndex(max_depth, max_occurrences=10**9)
+    index = SuffixIndex(max_occurrences=10**9)
     for r in responses:
         index.add(list(r))
         while len(index.stored) > cap:
             index.evict_oldest()
     kept = responses[-cap:]
     limit = limiter(factor)
-    assert index.draft(query, max_depth // 2, limit, min_prob) == Trie(max_depth, kept).draft(
+    assert index.draft(query, max_depth // 2, limit, min_prob, max_depth) == Trie(max_depth, kept).draft(
         query, max_depth // 2, limit, min_prob)
     # the evicted responses' tokens are cut away once they are most of the store
     assert len(index.tokens) <= 2 * sum(len(r) + 1 for r in kept)
@@ -99,9 +101,9 @@ def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
 def test_the_draft_follows_the_most_frequent_continuation_as_a_tree():
     # [1 2] was followed by 3 twice and by 4 once: 3 first, 4 as its sibling
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2]
-    index = SuffixIndex(32)
+    index = SuffixIndex()
     index.extend(tokens)
-    toks, parents, score, m = index.draft(tokens, 16, lambda m: 4, 0.1)
+    toks, parents, score, m = index.draft(tokens, 16, lambda m: 4, 0.1, 32)
     # then 3's continuations 9 and 8 (1/3 each; 4's 7 ties and came later)
     assert m == 2 and toks == [3, 4, 9, 8] and parents == [-1, -1, 0, 0]
     assert abs(score - sum([2 / 3, 1 / 3, 1 / 3, 1 / 3])) < 1e-9
@@ -111,9 +113,9 @@ def test_a_match_reads_its_most_recent_occurrences_only():
     # [1 2] followed by 3 four times, then by 4 twice
     tokens = [1, 2, 3] * 4 + [1, 2, 4] * 2 + [1, 2]
     for cap, want in ((100, [3]), (2, [4])):
-        index = SuffixIndex(32, max_occurrences=cap)
+        index = SuffixIndex(max_occurrences=cap)
         index.extend(tokens)
-        assert index.draft(tokens, 2, lambda m: 1, 0.1)[0] == want
+        assert index.draft(tokens, 2, lambda m: 1, 0.1, 32)[0] == want
 
 
 def test_the_drafter_keeps_the_last_responses_and_drafts_from_them():
