@@ -75,6 +75,7 @@ class CompiledPasses:
         self._fns: dict[tuple[int, int, bool], object] = {}
         self._ready: set[tuple] = set()
         self._causal: dict[int, Tensor] = {}
+        self._slots: dict[tuple[int, int, int], tuple] = {}  # a slot's K/V views per range
         self.compile_seconds = 0.0
 
     def causal(self, T: int, dtype: torch.dtype) -> Tensor:
@@ -108,8 +109,12 @@ class CompiledPasses:
             return None
         if mask is None and T > 1:
             mask = self.causal(T, h.dtype)
-        k_past = cache.k[lo:hi, slot, :, :start]
-        v_past = cache.v[lo:hi, slot, :, :start]
+        views = self._slots.get((lo, hi, slot))
+        if views is None or views[0] is not cache.k or views[1] is not cache.v:
+            views = self._slots[(lo, hi, slot)] = (cache.k, cache.v, cache.k[lo:hi, slot],
+                                                   cache.v[lo:hi, slot])
+        k_slot, v_slot = views[2], views[3]  # (layers, H, max_len, D)
+        k_past, v_past = k_slot[:, :, :start], v_slot[:, :, :start]
         if fresh:  # compiled once with the context (and block) length symbolic
             t0 = time.perf_counter()
             for x in (k_past, v_past):
@@ -122,8 +127,8 @@ class CompiledPasses:
         if fresh:
             self._ready.add(family)
             self.compile_seconds += time.perf_counter() - t0
-        cache.k[lo:hi, slot, :, start:start + T] = k_new
-        cache.v[lo:hi, slot, :, start:start + T] = v_new
+        k_slot[:, :, start:start + T] = k_new
+        v_slot[:, :, start:start + T] = v_new
         return out, logits
 
     def warm_up(self, cache, slot: int, early_exit: bool = True) -> float:

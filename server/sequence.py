@@ -182,7 +182,7 @@ class Sequence:
         method = draft.method or self.method
         for s in (self.stats, self._method_stats(method)):
             s.record(len(draft), len(accepted), draft.cost)
-        self.ctx.last_hidden = hidden[[0, *(i + 1 for i in path)]]
+        self.ctx.last_hidden = hidden[:1] if not path else hidden[[0, *(i + 1 for i in path)]]
         emitted = accepted + [bonus]
         finish = None
         hit = next((i for i, t in enumerate(emitted) if t in self.stop_ids), None)

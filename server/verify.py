@@ -82,6 +82,8 @@ def _sample(p: Tensor, gen: torch.Generator | None) -> int:
 def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
            gen: torch.Generator | None = None) -> tuple[list[int], int]:
     """(accepted node indices along the path, bonus token) for one verification block."""
+    if sp.greedy and logits.shape[0] == 1:  # no draft (plain decoding): the argmax
+        return [], int(logits[0].argmax())
     tokens = draft.tokens.tolist()
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []
