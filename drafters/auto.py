@@ -15,14 +15,18 @@ target pass over ``1 + k`` rows. The candidates, and the signals each is judged 
   nearly a pass, so they rarely pay and auto mostly leaves them out.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 
-``alpha`` per drafter is accepted / (accepted + rejections) over the request's recent
-steps (exponential moving average), starting from what earlier requests on this server
-measured for that drafter (kept per model), so a fresh request starts informed. A cheap
-drafter's chain that auto did not send is scored too, against the tokens the pass emitted
-(its matching prefix; a mismatch within them counts as a rejection), so a drafter passed
-over once is not stuck at its prior. A drafter
-auto has not picked for a while gets its estimate pulled back towards that server-wide
-figure, so a text that turns repetitive is noticed.
+``alpha`` is estimated per drafter *and match length* (prompt lookup's n-gram, suffix
+decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together): a 3-gram
+match is accepted far more often than a 1-gram one, and with one figure per drafter the
+1-gram misses trimmed the long matches' drafts. Each is accepted / (accepted + rejections)
+over the request's recent steps (exponential moving average), starting from what earlier
+requests on this server measured for that key (kept per model), so a fresh request starts
+informed; a fresh server starts every key at 0.5. A cheap drafter's chain that auto did not
+send is scored too, against the tokens the pass emitted (its matching prefix; a mismatch
+within them counts as a rejection), so a drafter passed over once is not stuck at its
+prior. An estimate not updated for a while is pulled back towards the server-wide figure,
+so a text that turns repetitive is noticed. The drafters share one n-gram index of the
+request (``drafters.suffix.request_index``), built once a step.
 
 Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
 rows, interpolated), measured once per model at the first ``auto`` step (in that
