@@ -28,6 +28,7 @@ import torch
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv
 
+
 def grow_tree(root, max_nodes: int, min_prob: float, children
               ) -> tuple[list[int], list[int], float]:
     """Best-first tree from ``root``: (tokens, parents, expected accepted length).
