@@ -132,3 +132,15 @@ def test_the_drafter_keeps_the_last_responses_and_drafts_from_them():
     # one node per matched token (max_spec_factor 1)
     assert draft([3, 50]) == [51] and draft([50, 51]) == [52] and draft([60, 61]) == [62]
     assert draft([3, 40]) == []  # evicted
+
+
+def test_a_repeated_request_is_drafted_from_the_stored_response():
+    from tests.engine.helpers import generate
+
+    shared: dict = {}
+    prompt = [7, 3, 11, 2]
+    first, first_seq, _ = generate(MODEL, prompt, 40, "suffix", shared=shared)
+    again, again_seq, _ = generate(MODEL, prompt, 40, "suffix", shared=shared)
+    assert again == first == generate(MODEL, prompt, 40)[0]  # lossless, both times
+    # the second request finds the first one's response in the store: far fewer passes
+    assert again_seq.stats.target_passes < first_seq.stats.target_passes / 2
