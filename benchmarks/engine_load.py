@@ -1,0 +1,129 @@
+"""Continuous batching in process: the engine alone, no HTTP, ``none`` against ``auto``.
+
+    python benchmarks/engine_load.py [--concurrency 1,8,32] [--requests-per-stream 6]
+                                     [--max-tokens 64] [--rounds 2] [--threads 1]
+                                     [--no-response-store] [--compile] [--out FILE.json]
+
+Submits ``concurrency * requests-per-stream`` requests (the loadtest's built-in prompts, in
+turn) to an ``Engine`` with ``concurrency`` slots and reports generated tokens/s until the
+last finishes, methods alternated, ``--rounds`` times, the median. Without the server, the
+event loop streaming responses does not share the engine thread's GIL and CPU, so this
+shows what the engine itself does (``benchmarks/batching.py`` measures the served whole).
+
+``--no-response-store``: suffix decoding keeps no previous responses (its ``close`` does
+nothing). The built-in prompts repeat, so otherwise from the second request on a prompt the
+store holds its greedy answer, and ``auto`` drafts it whole; this shows auto without that
+help. Eager passes unless ``--compile``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from clients.loadtest import PROMPTS
+from drafters.registry import Registry
+from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from server.engine import Engine, GenerationRequest
+
+
+def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,
+        requests: int, max_tokens: int, threads: int) -> float:
+    """Generated tokens/s of ``requests`` requests through an engine with ``streams`` slots."""
+    engine = Engine({"micro": model}, registry, eot_id=None, max_running=streams,
+                    max_waiting=requests, threads=threads)
+    meth, params = registry.parse(method)
+    done = threading.Semaphore(0)
+    tokens = [0]
+    errors: list[str] = []
+
+    def callback(ev):
+        if ev.kind == "step":
+            tokens[0] += len(ev.step.tokens)
+        elif ev.kind in ("finish", "error"):
+            if ev.kind == "error":
+                errors.append(ev.error)
+            done.release()
+
+    engine.start()
+    try:
+        t0 = time.perf_counter()
+        for i in range(requests):
+            engine.submit(GenerationRequest("micro", prompts[i % len(prompts)], max_tokens,
+                                            method=meth, params=params), callback)
+        for _ in range(requests):
+            done.acquire()
+        seconds = time.perf_counter() - t0
+    finally:
+        engine.stop()
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    return tokens[0] / seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", default="1,8,32")
+    p.add_argument("--methods", default="none,auto")
+    p.add_argument("--requests-per-stream", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-response-store", action="store_true",
+                   help="suffix decoding stores no previous responses")
+    p.add_argument("--compile", action="store_true", help="compiled one-sequence passes")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from drafters.suffix import SuffixDecoding
+    close = SuffixDecoding.close
+    if args.no_response_store:
+        SuffixDecoding.close = lambda self, ctx: None
+    try:
+        measure(args, argv)
+    finally:
+        SuffixDecoding.close = close
+
+
+def measure(args, argv) -> None:
+    tok = load_tokenizer()
+    model = load_model("micro", CHECKPOINT_DIR).compile(args.compile)
+    prompts = [tok.encode(text) for text in PROMPTS.values()]
+    registry = Registry()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    rows = []
+    for streams in (int(c) for c in args.concurrency.split(",")):
+        n = streams * args.requests_per_stream
+        got: dict[str, list[float]] = {m: [] for m in methods}
+        run(model, prompts, registry, methods[0], streams, min(n, streams), args.max_tokens,
+            args.threads)  # warm-up (and, compiled, the graphs)
+        for _ in range(args.rounds):
+            for m in methods:
+                got[m].append(run(model, prompts, registry, m, streams, n, args.max_tokens,
+                                  args.threads))
+        base = statistics.median(got[methods[0]])
+        for m in methods:
+            tps = statistics.median(got[m])
+            rows.append({"concurrency": streams, "method": m, "tokens_per_s": tps,
+                         "x_first_method": tps / base})
+            print(json.dumps(rows[-1]), file=sys.stderr)
+    result = {"command": "python benchmarks/engine_load.py " + " ".join(argv or sys.argv[1:]),
+              "threads": args.threads, "rows": rows}
+    print(f"Command: `{result['command']}`\n")
+    print(f"| streams | method | tokens/s | x {methods[0]} |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | "
+              f"{r['x_first_method']:.2f} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
