@@ -260,7 +260,8 @@ class Auto:
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
-        request_index(ctx)  # on the request's context, so every candidate reads this one
+        if self.cheap:  # on the request's context, so every candidate reads this one
+            request_index(ctx)
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
         for name in self.cheap:  # not timed: tens of microseconds, spent before any choice
