@@ -3,12 +3,13 @@
 1. ``none`` (nodraft's plain greedy loop) against Hugging Face transformers' ``generate()``
    on the same weights (the ``nodraft export-hf`` export), greedy, tokens/s, runs
    alternated, median of ``--repeats``.
+2. Each drafter's measured speed-up over ``none`` (``clients.measure``) on the workshop's
+   fresh and repeating prompts, with its figures; ``auto`` twice, on a fresh server and on
+   one warmed by a request on the other prompt.
 
 Passes run as the server runs them: compiled (``Micro.compile``, micro/compiled.py; graphs
 compiled by an untimed warm-up decode first), or eager with ``--eager``. transformers runs
 eager, as ``generate()`` does by default.
-2. Each drafter's measured speed-up over ``none`` (``clients.measure``) on the workshop's
-   fresh and repeating prompts, with its figures.
 
     python benchmarks/speculation.py [--tokens 128] [--repeats 5] [--threads 2] [--eager]
                                      [--models micro,micro-layerskip] [--no-hf]

@@ -76,8 +76,8 @@ def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str
     seconds). Runs alternate none / drafter so drift on a shared machine hits both.
     Each drafter run starts with fresh per-request state and, by default, a fresh server
     (``shared``: a function returning the server-wide drafter state each run starts
-    from); suffix decoding's global tree is fresh either way, so no run is helped by an
-    earlier identical response."""
+    from); suffix decoding's store of responses is empty either way, so no run is helped
+    by an earlier identical response."""
     reg = Registry()
     state = shared or dict
     decode(model, prompt, n_tokens, method, params, reg, state(), model_name)  # warm-up

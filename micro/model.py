@@ -230,7 +230,7 @@ class Micro(nn.Module):
             if tree_mask is not None:
                 mask = additive_mask(tree_mask, self.tok_embeddings.weight.dtype)
             done = compiled.run(self.embed(ids), pos, 0, self.config.n_layers, cache,
-                                     slot, start, mask, head=True)
+                                slot, start, mask, head=True)
             if done is not None:
                 return done[1], done[0]
         hidden: list[Tensor] = []
@@ -249,7 +249,7 @@ class Micro(nn.Module):
         compiled = self.compiled
         if compiled is not None:
             done = compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
-                                     None, head=True)
+                                None, head=True)
             if done is not None:
                 return done[1], done[0]
         h = self.run_layers(self.embed(ids)[None], pos[None], 0, exit_layer, cache=cache,
@@ -323,8 +323,8 @@ class Micro(nn.Module):
         if compiled is not None and cache is not None and hidden is None and B == 1:
             tt = None if mask is None else mask[:, start:]
             done = compiled.run(self.embed(idx)[0], pos[0], 0,
-                                     exit_layer or self.config.n_layers, cache, slot, start,
-                                     tt, head=exit_layer is None)
+                                exit_layer or self.config.n_layers, cache, slot, start,
+                                tt, head=exit_layer is None)
             if done is not None:
                 h, logits = done
                 return (logits if logits is not None else self.head(h))[None]
