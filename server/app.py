@@ -86,7 +86,7 @@ class Service:
         self.registry.parse(self.settings.speculation)  # a bad default fails at start-up
         self.engine = Engine(self.models, self.registry, self.tokenizer.eot_id,
                              self.settings.max_running, self.settings.max_waiting,
-                             observer=self.metrics, threads=self.settings.threads)
+                             observer=self.metrics, threads=self.settings.engine_threads)
         self.engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
         if self.settings.compile:
             for model in self.models.values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -41,11 +42,21 @@ class Settings(BaseSettings):
                               "micro-layerskip.safetensors and tokenizer.json")
     drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM, how long in-flight "
                                  "requests may run before they are cancelled")
-    threads: int | None = Field(None, ge=1, description="torch threads of the engine")
+    threads: int | None = Field(None, ge=1, description="torch threads of the engine "
+                                "(default: one per CPU core but one, at least one: the HTTP "
+                                "side needs a core of its own)")
     compile: bool = Field(True, description="compile single-sequence passes with "
                           "torch.compile (in the background at start; served eager until "
                           "ready); false: eager only")
     log_level: str = Field("info", description="uvicorn's log level")
+
+    @property
+    def engine_threads(self) -> int:
+        """``threads``, or by default every core but one. micro's kernels are small; a
+        second thread gains a pass little and, spinning, takes the core the event loop
+        streams responses on: measured on this 2-core machine, one stream served ~2x
+        faster with 1 thread than with 2 (docs/BENCHMARKS.md)."""
+        return self.threads or max(1, (os.cpu_count() or 1) - 1)
 
     @field_validator("speculation", mode="before")
     @classmethod

@@ -32,7 +32,8 @@ def _prefilled(model, n: int, seed: int = 0) -> tuple[KVCache, list[int]]:
     return cache, ids.tolist()
 
 
-@pytest.mark.parametrize("T, tree", [(1, False), (5, False), (7, True)])
+# one row, a short and a longer chain, a small and a larger tree
+@pytest.mark.parametrize("T, tree", [(1, False), (3, False), (3, True), (5, False), (7, True)])
 def test_a_compiled_pass_matches_eager(pair, T, tree):
     eager, compiled = pair
     ce, _ = _prefilled(eager, 40)
@@ -40,8 +41,9 @@ def test_a_compiled_pass_matches_eager(pair, T, tree):
     ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
     pos, mask = None, None
     if tree:  # two branches under the current token
-        mask = tree_attention_mask(torch.tensor([-1, 0, 1, -1, 3, 4]))
-        pos = 40 + torch.tensor([0, 1, 2, 3, 1, 2, 3])
+        parents = [-1, 0, 1, -1, 3, 4] if T == 7 else [-1, -1]
+        mask = tree_attention_mask(torch.tensor(parents))
+        pos = 40 + torch.tensor([0, 1, 2, 3, 1, 2, 3] if T == 7 else [0, 1, 1])
     le, he = eager.verify_pass(ids, ce, 1, 40, pos, mask)
     lc, hc = compiled.verify_pass(ids, cc, 1, 40, pos, mask)
     assert compiled.compiled.compile_seconds > 0  # it did run compiled

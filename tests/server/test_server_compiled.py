@@ -34,6 +34,8 @@ def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoin
             time.sleep(0.5)
         compiled = server.service.models["micro-layerskip"].compiled
         assert compiled is not None and compiled._ready
+        # warm-up readied full passes of one row and of several: none compiles later
+        assert {f[3] for f in compiled._ready if f[:3] == (0, 4, True)} == {False, True}
         for speculation in METHODS:
             got = _complete(server.url, speculation)
             want = _complete(live.url, speculation)

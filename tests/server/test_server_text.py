@@ -106,6 +106,11 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     defaults = Settings()
     assert (defaults.host, defaults.port, defaults.speculation) == ("127.0.0.1", 8000, "auto")
     assert defaults.cors_origins == []
+    # the engine's torch threads: as given, else every core but one (the event loop's)
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert Settings().engine_threads == 7 and Settings(threads=3).engine_threads == 3
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert Settings().engine_threads == 1
 
 
 def test_serve_help(capsys):
