@@ -46,6 +46,7 @@ from micro.checkpoint import available_models, load_model, load_tokenizer
 from server.api import router
 from server.engine import Engine, EngineStopped, QueueFull
 from server.errors import APIError, error_response, handle_exception
+from server.generation import EventPump
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -224,6 +225,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        EventPump.for_loop(asyncio.get_running_loop()).interval = \
+            settings.stream_interval_ms / 1000
         await asyncio.to_thread(service.load)
         yield
         await asyncio.to_thread(service.close)

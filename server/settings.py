@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     threads: int | None = Field(None, ge=1, description="torch threads of the engine "
                                 "(default: one per CPU core but one, at least one: the HTTP "
                                 "side needs a core of its own)")
+    stream_interval_ms: float = Field(
+        2.0, ge=0, le=100, description="while the engine keeps producing, the event loop "
+        "collects its events every this many ms instead of being woken per engine step "
+        "(the first token of a quiet spell is never held; 0: woken per step)")
     compile: bool = Field(True, description="compile single-sequence passes with "
                           "torch.compile (in the background at start; served eager until "
                           "ready); false: eager only")

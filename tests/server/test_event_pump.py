@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -53,3 +54,45 @@ def test_one_pump_per_loop():
         assert EventPump.for_loop(loop) is EventPump.for_loop(loop)
     finally:
         loop.close()
+
+
+def test_a_busy_producer_wakes_the_loop_once_then_the_loop_collects_on_its_timer():
+    async def main():
+        loop = asyncio.get_running_loop()
+        pump = EventPump(loop)
+        pump.interval = 0.005
+        wakeups = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args):
+            wakeups.append(cb)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counting
+        queue = asyncio.Queue()
+        got = []
+
+        def engine(start, n):  # an engine thread stepping every ~0.5 ms
+            for i in range(start, start + n):
+                pump.post(queue, i)
+                time.sleep(0.0005)
+
+        async def consume(until):
+            while not got or got[-1] < until:
+                got.append(await queue.get())
+
+        t = threading.Thread(target=engine, args=(0, 60))
+        t.start()
+        await consume(59)
+        t.join()
+        # the first event woke the loop; the rest came by its timer (woken per event, 60)
+        busy = len(wakeups)
+        assert got == list(range(60)) and 1 <= busy <= 5
+        await asyncio.sleep(0.03)  # a quiet spell: the timer found nothing and stopped
+        t = threading.Thread(target=engine, args=(60, 1))
+        t.start()
+        await asyncio.wait_for(consume(60), 1.0)  # a lone event is not held for a timer
+        t.join()
+        assert got == list(range(61)) and len(wakeups) == busy + 1
+
+    asyncio.run(main())

@@ -122,5 +122,5 @@ def test_serve_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--speculation", "--api-key", "--max-running",
                  "--max-waiting", "--max-body-bytes", "--cors-origins", "--checkpoints",
-                 "--drain-seconds", "--threads"):
+                 "--drain-seconds", "--threads", "--stream-interval-ms"):
         assert flag in out
