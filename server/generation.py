@@ -85,6 +85,11 @@ class EventPump:
         with self._lock:
             self._pending.append((queue, item))
             wake, self._due = not self._due, True
+        if not wake and self.loop.is_closed():  # closed with its timer pending
+            with self._lock:
+                self._pending.clear()
+                self._due = False
+            raise RuntimeError("the event loop is closed")
         if wake:
             try:
                 self.loop.call_soon_threadsafe(self._drain)

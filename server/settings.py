@@ -58,8 +58,8 @@ class Settings(BaseSettings):
     def engine_threads(self) -> int:
         """``threads``, or by default every core but one. micro's kernels are small; a
         second thread gains a pass little and, spinning, takes the core the event loop
-        streams responses on: measured on this 2-core machine, one stream served ~2x
-        faster with 1 thread than with 2 (docs/BENCHMARKS.md)."""
+        streams responses on: measured on this 2-core machine, one stream served 435-728
+        tokens/s with 1 thread against 328-429 with 2 (docs/ARCHITECTURE.md)."""
         return self.threads or max(1, (os.cpu_count() or 1) - 1)
 
     @field_validator("speculation", mode="before")

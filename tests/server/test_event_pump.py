@@ -48,6 +48,19 @@ def test_a_closed_loop_refuses_and_keeps_nothing():
     assert pump._pending == []
 
 
+def test_a_loop_closed_while_collecting_on_its_timer_refuses_too():
+    loop = asyncio.new_event_loop()
+    pump = EventPump(loop)
+    pump.interval = 0.01
+    queue = asyncio.Queue()
+    pump.post(queue, 1)  # wakes the loop
+    loop.run_until_complete(asyncio.sleep(0))  # hands it out, arms the timer
+    loop.close()
+    with pytest.raises(RuntimeError):
+        pump.post(queue, 2)
+    assert pump._pending == [] and queue.get_nowait() == 1
+
+
 def test_one_pump_per_loop():
     loop = asyncio.new_event_loop()
     try:
