@@ -26,6 +26,8 @@ compiler. Packed passes stay eager.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import threading
 import time
 from collections import deque
@@ -44,6 +46,7 @@ from server.verify import SamplingParams
 
 
 PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being prefilled
+WARM_UP_SWITCH_INTERVAL = 2e-4  # s: the GIL's switch interval while compiling (default 5 ms)
 
 
 class QueueFull(RuntimeError):
@@ -147,18 +150,18 @@ class Engine:
             if self.threads:
                 torch.set_num_threads(self.threads)
             t0 = time.perf_counter()
-            for name, model in self.models.items():
-                compiled = model.compiled
-                if compiled is None or self._stop:
-                    continue
-                scratch = KVCache(model.config, self.caches[name].n_slots,
-                                  self.caches[name].max_len, self.caches[name].k.dtype)
-                try:
-                    compiled.warm_up(scratch, 0)
-                except Exception as e:  # no C++ compiler, an inductor bug: serve eager
-                    model.compiled = None
-                    self.compiled_error = f"{name}: {type(e).__name__}: {e}"
-                del scratch
+            try:  # the compiler (and the C++ compilers it starts) yields the CPU to requests
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):
+                pass
+            # compiling is mostly Python holding the GIL; every torch call of the engine's
+            # eager steps meanwhile waits for it, up to a switch interval each
+            switch = sys.getswitchinterval()
+            sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
+            try:
+                self._compile_all()
+            finally:
+                sys.setswitchinterval(switch)
             self.compiled_ready = self.compiled_error is None
             if on_done is not None:
                 on_done(time.perf_counter() - t0)
@@ -166,6 +169,20 @@ class Engine:
         thread = threading.Thread(target=work, name="nodraft-compile", daemon=True)
         thread.start()
         return thread
+
+    def _compile_all(self) -> None:
+        for name, model in self.models.items():
+            compiled = model.compiled
+            if compiled is None or self._stop:
+                continue
+            scratch = KVCache(model.config, self.caches[name].n_slots,
+                              self.caches[name].max_len, self.caches[name].k.dtype)
+            try:
+                compiled.warm_up(scratch, 0)
+            except Exception as e:  # no C++ compiler, an inductor bug: serve eager
+                model.compiled = None
+                self.compiled_error = f"{name}: {type(e).__name__}: {e}"
+            del scratch
 
     def submit(self, request: GenerationRequest, callback: Callable[[Event], None]) -> Handle:
         with self._cv:

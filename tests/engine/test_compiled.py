@@ -2,6 +2,8 @@
 rounding, the KV rows written where eager writes them, and -- the invariant -- speculative
 greedy equal to plain greedy for every drafter when every pass is compiled."""
 
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -121,19 +123,25 @@ def test_a_failed_warm_up_leaves_the_engine_serving_eager(checkpoint_dir):
     import threading
 
     from drafters.registry import Registry
-    from server.engine import Engine, GenerationRequest
+    from server.engine import WARM_UP_SWITCH_INTERVAL, Engine, GenerationRequest
 
     model = load_model("micro", checkpoint_dir).compile(lazy=False)
 
+    switch = []
+
     def broken(cache, slot, early_exit=True):
+        switch.append(sys.getswitchinterval())
         raise RuntimeError("no C++ compiler")
 
     model.compiled.warm_up = broken
     engine = Engine({"micro": model}, Registry(), eot_id=None, max_running=2)
     engine.start()
+    before = sys.getswitchinterval()
     try:
         engine.warm_up().join(30)
         assert engine.compiled_error == "micro: RuntimeError: no C++ compiler"
+        # the GIL changed hands more often while compiling, and as before afterwards
+        assert switch == [WARM_UP_SWITCH_INTERVAL] and sys.getswitchinterval() == before
         assert model.compiled is None and not engine.compiled_ready
         done, tokens = threading.Event(), []
 
