@@ -9,18 +9,24 @@ import pytest
 from server.generation import EventPump
 
 
+def count_wakeups(loop: asyncio.AbstractEventLoop) -> list:
+    """The callbacks other threads hand ``loop`` from now on (a list that grows)."""
+    wakeups = []
+    real = loop.call_soon_threadsafe
+
+    def counting(cb, *args):
+        wakeups.append(cb)
+        return real(cb, *args)
+
+    loop.call_soon_threadsafe = counting
+    return wakeups
+
+
 def test_events_arrive_in_order_with_one_wakeup_per_batch():
     async def main():
         loop = asyncio.get_running_loop()
         pump = EventPump(loop)
-        wakeups = []
-        real = loop.call_soon_threadsafe
-
-        def counting(cb, *args):
-            wakeups.append(cb)
-            return real(cb, *args)
-
-        loop.call_soon_threadsafe = counting
+        wakeups = count_wakeups(loop)
         queues = [asyncio.Queue() for _ in range(4)]
 
         def engine_iteration(start):  # another thread posts a batch while the loop waits
@@ -74,14 +80,7 @@ def test_a_busy_producer_wakes_the_loop_once_then_the_loop_collects_on_its_timer
         loop = asyncio.get_running_loop()
         pump = EventPump(loop)
         pump.interval = 0.005
-        wakeups = []
-        real = loop.call_soon_threadsafe
-
-        def counting(cb, *args):
-            wakeups.append(cb)
-            return real(cb, *args)
-
-        loop.call_soon_threadsafe = counting
+        wakeups = count_wakeups(loop)
         queue = asyncio.Queue()
         got = []
 
