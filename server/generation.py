@@ -85,19 +85,16 @@ class EventPump:
         with self._lock:
             self._pending.append((queue, item))
             wake, self._due = not self._due, True
-        if not wake and self.loop.is_closed():  # closed with its timer pending
+        try:
+            if wake:
+                self.loop.call_soon_threadsafe(self._drain)
+            elif self.loop.is_closed():  # closed with its timer pending
+                raise RuntimeError("the event loop is closed")
+        except RuntimeError:  # closed: nobody will drain; drop what is pending
             with self._lock:
                 self._pending.clear()
                 self._due = False
-            raise RuntimeError("the event loop is closed")
-        if wake:
-            try:
-                self.loop.call_soon_threadsafe(self._drain)
-            except RuntimeError:  # closed: nobody will drain; drop what is pending
-                with self._lock:
-                    self._pending.clear()
-                    self._due = False
-                raise
+            raise
 
     def _drain(self) -> None:  # on the loop
         with self._lock:
