@@ -5,10 +5,12 @@
 
 One sequence, ``--context`` cached rows, a verification pass (``Micro.verify_pass``) over
 a block of each size: eager micro and the compiled graphs (micro/compiled.py, compiled
-before timing). Runs of 20 identical passes alternate, size by size and mode by mode (a
+before timing), these twice where nodraft's product builds: multiplying with ``torch.mm``
+and with ``nodraft::mm`` (micro/gemm.py). Runs of 20 identical passes alternate, size by size and mode by mode (a
 decode loop repeats one kind of pass, so its weights stay in cache); each figure is the
 median of ``--repeats`` passes. Reported: microseconds per pass, each size's cost in 1-row passes of
-the same mode (the curve an adaptive draft length has to know), and compiled over eager.
+the same mode (the curve an adaptive draft length has to know), compiled over eager, and
+nodraft::mm over torch.mm.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
@@ -34,8 +36,13 @@ RUN = 20  # consecutive passes of one kind: interleaving every pass with 11 othe
 
 
 def measure(model_name: str, rows: list[int], context: int, repeats: int) -> dict:
-    eager = load_model(model_name)
-    compiled = load_model(model_name).compile()
+    from micro import gemm
+
+    models = {"eager": load_model(model_name),
+              "compiled": load_model(model_name).compile(gemm="torch")}
+    if gemm.load():  # nodraft's product, where it builds (micro/gemm.py)
+        models["compiled_nodraft_mm"] = load_model(model_name).compile(gemm="auto")
+    eager = models["eager"]
     cache = KVCache(eager.config, 1)
     prompt = torch.randint(0, eager.config.vocab_size, (context,),
                            generator=torch.Generator().manual_seed(0))
@@ -45,17 +52,16 @@ def measure(model_name: str, rows: list[int], context: int, repeats: int) -> dic
     blocks = {r: torch.randint(0, eager.config.vocab_size, (r,),
                                generator=torch.Generator().manual_seed(r)) for r in rows}
     t0 = time.perf_counter()
-    for r in rows:  # compile every family first (and warm both)
-        eager.verify_pass(blocks[r], cache, 0, context)
-        compiled.verify_pass(blocks[r], cache, 0, context)
+    for r in rows:  # compile every family first (and warm each)
+        for m in models.values():
+            m.verify_pass(blocks[r], cache, 0, context)
     compile_s = time.perf_counter() - t0
-    times: dict[str, dict[int, list[float]]] = {"eager": {r: [] for r in rows},
-                                                "compiled": {r: [] for r in rows}}
+    times: dict[str, dict[int, list[float]]] = {mode: {r: [] for r in rows} for mode in models}
     clock = time.perf_counter
     with torch.inference_mode():
         for _ in range(max(1, repeats // RUN)):
             for r in rows:
-                for mode, m in (("eager", eager), ("compiled", compiled)):
+                for mode, m in models.items():
                     for _ in range(RUN):  # a run of the same pass, as a decode loop makes
                         t = clock()
                         m.verify_pass(blocks[r], cache, 0, context)
@@ -63,23 +69,37 @@ def measure(model_name: str, rows: list[int], context: int, repeats: int) -> dic
     med = {mode: {r: statistics.median(v) for r, v in per.items()} for mode, per in times.items()}
     out = []
     for r in rows:
-        e, c = med["eager"][r], med["compiled"][r]
-        out.append({"rows": r, "eager_us": e * 1e6, "compiled_us": c * 1e6,
-                    "eager_in_1row_passes": e / med["eager"][rows[0]],
-                    "compiled_in_1row_passes": c / med["compiled"][rows[0]],
-                    "compiled_over_eager": c / e})
-    return {"compile_seconds": compile_s, "rows": out}
+        row = {"rows": r}
+        for mode in models:
+            row[f"{mode}_us"] = med[mode][r] * 1e6
+            row[f"{mode}_in_1row_passes"] = med[mode][r] / med[mode][rows[0]]
+        row["compiled_over_eager"] = med["compiled"][r] / med["eager"][r]
+        if "compiled_nodraft_mm" in models:
+            row["nodraft_mm_over_torch_mm"] = med["compiled_nodraft_mm"][r] / med["compiled"][r]
+        out.append(row)
+    return {"compile_seconds": compile_s, "modes": list(models), "rows": out}
+
+
+LABELS = {"eager": "eager", "compiled": "compiled (torch.mm)",
+          "compiled_nodraft_mm": "compiled (nodraft::mm)"}
 
 
 def render(result: dict) -> str:
+    modes = result.get("modes", ["eager", "compiled"])
+    head = (["rows"] + [f"{LABELS[m]} us" for m in modes]
+            + [f"{LABELS[m]}, in 1-row passes" for m in modes] + ["compiled / eager"])
+    if "compiled_nodraft_mm" in modes:
+        head.append("nodraft::mm / torch.mm")
     lines = [f"Command: `{result['command']}` ({result['machine']}; compiling took "
              f"{result['compile_seconds']:.0f} s, untimed)", "",
-             "| rows | eager us | compiled us | eager, in 1-row passes | compiled, in 1-row passes | compiled / eager |",
-             "|---|---|---|---|---|---|"]
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["rows"]:
-        lines.append(f"| {r['rows']} | {r['eager_us']:.0f} | {r['compiled_us']:.0f} | "
-                     f"{r['eager_in_1row_passes']:.2f} | {r['compiled_in_1row_passes']:.2f} | "
-                     f"{r['compiled_over_eager']:.2f} |")
+        cells = ([str(r["rows"])] + [f"{r[f'{m}_us']:.0f}" for m in modes]
+                 + [f"{r[f'{m}_in_1row_passes']:.2f}" for m in modes]
+                 + [f"{r['compiled_over_eager']:.2f}"])
+        if "compiled_nodraft_mm" in modes:
+            cells.append(f"{r['nodraft_mm_over_torch_mm']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

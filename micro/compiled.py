@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from micro import gemm
 from micro.model import additive_mask, apply_rope
 
 import torch._dynamo.config as _dynamo_config
@@ -74,9 +75,11 @@ class CompiledPasses:
     and the rest run eager (the server: no request waits on a compiler).
     """
 
-    def __init__(self, model, lazy: bool = True):
+    def __init__(self, model, lazy: bool = True, gemm: str | None = None):
         self.model = model
         self.lazy = lazy
+        self.gemm = gemm  # micro.gemm.choose's argument; resolved at the first graph
+        self.gemm_kind: str | None = None  # 'nodraft' or 'torch', once resolved
         self._fns: dict[tuple[int, int, bool], object] = {}
         self._ready: set[tuple] = set()
         self._causal: dict[int, Tensor] = {}
@@ -96,8 +99,9 @@ class CompiledPasses:
         if fn is None:
             if self._wt is None:
                 self._wt = transposed_weights(self.model)
-            fn = self._fns[key] = torch.compile(_make_core(self.model, lo, hi, head, self._wt),
-                                                fullgraph=True, options=OPTIONS)
+                self.gemm_kind = gemm.choose(self.gemm)
+            core = _make_core(self.model, lo, hi, head, self._wt, gemm.matmul(self.gemm_kind))
+            fn = self._fns[key] = torch.compile(core, fullgraph=True, options=OPTIONS)
         return fn
 
     @torch.inference_mode()
@@ -184,8 +188,9 @@ def transposed_weights(model) -> dict[str, Tensor]:
     return out
 
 
-def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor]):
-    """The graph's function; its products read ``wt`` (``transposed_weights``)."""
+def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor], mm=torch.mm):
+    """The graph's function; its products are ``mm(x, w)`` (micro.gemm) over ``wt``
+    (``transposed_weights``)."""
     c = model.config
     H, D, F2 = c.n_heads, c.head_dim, c.ffn_dim
     scale = 1.0 / math.sqrt(D)
@@ -206,7 +211,7 @@ def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor]):
             an, fn = layer.attention_norm, layer.ffn_norm
             wqkv, wo, w13, w2 = mats[j]
             x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
-            qkv = (x @ wqkv).view(T, 3, H, D)
+            qkv = mm(x, wqkv).view(T, 3, H, D)
             qk = apply_rope(qkv[:, :2], cos[:, None], sin[:, None])
             q = qk[:, 0].transpose(0, 1)  # (H, T, D)
             k = qk[:, 1].transpose(0, 1)
@@ -214,18 +219,23 @@ def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor]):
             ks.append(k)
             vs.append(v)
             s_past = torch.matmul(q, k_past[j].transpose(-1, -2)) * scale  # (H, T, n)
-            s_self = torch.matmul(q, k.transpose(-1, -2)) * scale  # (H, T, T)
-            if mask is not None:
-                s_self = s_self + mask
+            if mask is None:  # one row
+                s_self = torch.matmul(q, k.transpose(-1, -2)) * scale
+            else:  # (H, T, T) as a broadcast product: a fused loop, not a bmm call
+                s_self = (q[:, :, None, :] * k[:, None, :, :]).sum(-1) * scale + mask
             p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
             n = s_past.shape[-1]
-            y = torch.matmul(p[..., :n], v_past[j]) + torch.matmul(p[..., n:], v)  # (H, T, D)
-            h = h + y.transpose(0, 1).reshape(T, H * D) @ wo
-            gate, up = (F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps) @ w13).split(F2, dim=-1)
-            h = h + (F.silu(gate) * up) @ w2
+            y = torch.matmul(p[..., :n], v_past[j])  # (H, T, D)
+            if mask is None:
+                y = y + torch.matmul(p[..., n:], v)
+            else:
+                y = y + (p[..., n:, None] * v[:, None, :, :]).sum(-2)
+            h = h + mm(y.transpose(0, 1).reshape(T, H * D), wo)
+            gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(F2, dim=-1)
+            h = h + mm(F.silu(gate) * up, w2)
         logits = None
         if head:
-            logits = F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps) @ head_wt
+            logits = mm(F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps), head_wt)
         return h, logits, torch.stack(ks), torch.stack(vs)
 
     # a code object of its own: dynamo keeps its graphs (and checks their guards, in turn,

@@ -199,15 +199,18 @@ class Micro(nn.Module):
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
 
-    def compile(self, enabled: bool = True, lazy: bool = True) -> "Micro":
+    def compile(self, enabled: bool = True, lazy: bool = True,
+                gemm: str | None = None) -> "Micro":
         """Route one-sequence cache passes (``verify_pass``, ``forward`` and ``run_layers``
         with a cache) through ``torch.compile`` graphs (micro/compiled.py); ``enabled=False``
         goes back to eager. ``lazy``: a graph compiles on its first pass; otherwise only
-        after ``self.compiled.warm_up`` (until then eager). For inference: the weights are
-        frozen into the graphs."""
+        after ``self.compiled.warm_up`` (until then eager). ``gemm``: the graphs' matrix
+        product, 'auto' (nodraft's kernel where it loads) or 'torch' (micro/gemm.py;
+        default ``NODRAFT_GEMM``, else 'auto'). For inference: the weights are frozen into
+        the graphs."""
         from micro.compiled import CompiledPasses
 
-        self.compiled = CompiledPasses(self, lazy) if enabled else None
+        self.compiled = CompiledPasses(self, lazy, gemm) if enabled else None
         return self
 
     def num_params(self) -> int:

@@ -91,7 +91,7 @@ class Service:
         self.engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
         if self.settings.compile:
             for model in self.models.values():
-                model.compile(lazy=False)
+                model.compile(lazy=False, gemm=self.settings.gemm)
         self.engine.start()
         if self.settings.compile:
             log.info("nodraft: compiling the single-sequence passes in the background "
@@ -101,7 +101,9 @@ class Service:
 
     def _compiled(self, seconds: float) -> None:
         if self.engine.compiled_error is None:
-            log.info("nodraft: compiled passes ready (%.0f s)", seconds)
+            kinds = {m.compiled.gemm_kind for m in self.models.values() if m.compiled}
+            log.info("nodraft: compiled passes ready (%.0f s; products: %s)", seconds,
+                     ", ".join(sorted(k for k in kinds if k)))
         else:
             log.warning("nodraft: compiling failed, serving eager passes: %s",
                         self.engine.compiled_error)

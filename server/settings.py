@@ -14,7 +14,7 @@ import argparse
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     compile: bool = Field(True, description="compile single-sequence passes with "
                           "torch.compile (in the background at start; served eager until "
                           "ready); false: eager only")
+    gemm: Literal["auto", "torch"] = Field(
+        "auto", description="the compiled passes' matrix product: auto (nodraft's few-row "
+        "AVX-512 kernel, built at the first compile, where the CPU has AVX-512; else "
+        "torch.mm) or torch (torch.mm, i.e. MKL, everywhere); micro/gemm.py")
     log_level: str = Field("info", description="uvicorn's log level")
 
     @property

@@ -155,8 +155,9 @@ def stack(tool, processes, serving_checkpoints, tmp_path_factory) -> Stack:
     total = sum(stack.served_after)
     wait_for(lambda: (r := stack.query("sum(nodraft_requests_total)"))
              and float(r[0]["value"][1]) >= total, 30, "Prometheus to scrape the last requests")
-    wait_for(lambda: all(stack.query(rule) for rule in RULES), 30,
-             "every recording rule to be evaluated")
+    # a rate needs two scrapes of a series inside its window: wait for every model's
+    wait_for(lambda: all({s["metric"]["model"] for s in stack.query(rule)} == set(MODELS)
+                         for rule in RULES), 60, "every recording rule to be evaluated for every model")
     return stack
 
 

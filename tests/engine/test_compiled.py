@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from micro import gemm
 from micro.checkpoint import load_model, load_tokenizer
 from micro.model import KVCache
 from server.sequence import tree_attention_mask
@@ -49,6 +50,8 @@ def test_a_compiled_pass_matches_eager(pair, T, tree):
     le, he = eager.verify_pass(ids, ce, 1, 40, pos, mask)
     lc, hc = compiled.verify_pass(ids, cc, 1, 40, pos, mask)
     assert compiled.compiled.compile_seconds > 0  # it did run compiled
+    # with nodraft's product wherever it builds (micro/gemm.py)
+    assert compiled.compiled.gemm_kind == ("nodraft" if gemm.load() else "torch")
     torch.testing.assert_close(lc, le, rtol=1e-4, atol=2e-4)
     torch.testing.assert_close(hc, he, rtol=1e-4, atol=2e-4)
     # the block's keys and values went to rows [40, 40+T) of slot 1, nothing else changed

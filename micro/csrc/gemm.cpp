@@ -1,0 +1,112 @@
+// nodraft::mm -- C = A @ B for the few rows a decode or verification pass carries.
+//
+// A (M, K) and B (K, N) float32, row-major; B is a weight in (in, out) layout. A tile of
+// up to 6 rows by up to 64 columns keeps its sums in 24 AVX-512 registers while it walks
+// k = 0 .. K-1 once, reading each row of the tile's B columns once for all of its rows.
+// MKL's sgemm, tuned for large M, costs ~2x more than this at 2-5 rows on micro's shapes
+// (benchmarks/passes.py; micro/gemm.py has the figures).
+//
+// Every C element is one sum over k in order 0 .. K-1 (one fused multiply-add per k),
+// whatever M is, however the columns are split between threads: a row's result does not
+// depend on the other rows of the call. So a token's logits are bit-identical whether it
+// is verified alone or in a block of drafted tokens.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+namespace {
+
+// The sums live in MR x NV registers: a one-dimensional array, fully unrolled -- GCC 12
+// keeps a two-dimensional one on the stack and stores it back every k (2x slower at 2 rows).
+template <int MR, int NV>
+inline void tile(const float* a, int64_t K, const float* b, int64_t N, float* c,
+                 __mmask16 last) {
+  __m512 acc[MR * NV];
+#pragma GCC unroll 32
+  for (int i = 0; i < MR * NV; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = b + k * N;
+    __m512 bv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV - 1; ++v) bv[v] = _mm512_loadu_ps(bk + 16 * v);
+    bv[NV - 1] = _mm512_maskz_loadu_ps(last, bk + 16 * (NV - 1));
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m512 av = _mm512_set1_ps(a[m * K + k]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[m * NV + v] = _mm512_fmadd_ps(av, bv[v], acc[m * NV + v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV - 1; ++v) _mm512_storeu_ps(c + m * N + 16 * v, acc[m * NV + v]);
+    _mm512_mask_storeu_ps(c + m * N + 16 * (NV - 1), last, acc[m * NV + NV - 1]);
+  }
+}
+
+template <int NV>
+void rows(int64_t mr, const float* a, int64_t K, const float* b, int64_t N, float* c,
+          __mmask16 last) {
+  switch (mr) {
+    case 6: tile<6, NV>(a, K, b, N, c, last); break;
+    case 5: tile<5, NV>(a, K, b, N, c, last); break;
+    case 4: tile<4, NV>(a, K, b, N, c, last); break;
+    case 3: tile<3, NV>(a, K, b, N, c, last); break;
+    case 2: tile<2, NV>(a, K, b, N, c, last); break;
+    default: tile<1, NV>(a, K, b, N, c, last); break;
+  }
+}
+
+// One block of columns for all M rows: ceil(M / 6) tiles of near-equal height (7 rows as
+// 4 + 3, not 6 + 1: a short tile reads the block's weights for too few rows).
+template <int NV>
+void column(const float* a, int64_t M, int64_t K, const float* b, int64_t N, float* c,
+            __mmask16 last) {
+  const int64_t tiles = (M + 5) / 6;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t mr = (M - m) / (tiles - t);
+    rows<NV>(mr, a + m * K, K, b, N, c + m * N, last);
+    m += mr;
+  }
+}
+
+at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
+  TORCH_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && a_in.size(1) == b_in.size(0),
+              "nodraft::mm: expected (M, K) @ (K, N), got ", a_in.sizes(), " @ ", b_in.sizes());
+  if (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat)
+    return at::mm(a_in, b_in);
+  const at::Tensor a = a_in.contiguous();
+  const at::Tensor b = b_in.contiguous();
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  at::Tensor c = at::empty({M, N}, a.options());
+  if (M == 0 || N == 0) return c;
+  if (K == 0) return c.zero_();
+  const float* pa = a.data_ptr<float>();
+  const float* pb = b.data_ptr<float>();
+  float* pc = c.data_ptr<float>();
+  const int64_t blocks = (N + 63) / 64;
+  // at least ~256K multiply-adds per task: small products stay on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * 64));
+  at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t n0 = j * 64, w = std::min<int64_t>(64, N - n0);
+      const int64_t nv = (w + 15) / 16, tail = w - 16 * (nv - 1);
+      const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xFFFF : (1u << tail) - 1);
+      switch (nv) {
+        case 4: column<4>(pa, M, K, pb + n0, N, pc + n0, last); break;
+        case 3: column<3>(pa, M, K, pb + n0, N, pc + n0, last); break;
+        case 2: column<2>(pa, M, K, pb + n0, N, pc + n0, last); break;
+        default: column<1>(pa, M, K, pb + n0, N, pc + n0, last); break;
+      }
+    }
+  });
+  return c;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nodraft, m) { m.def("mm(Tensor a, Tensor b) -> Tensor"); }
+TORCH_LIBRARY_IMPL(nodraft, CPU, m) { m.impl("mm", &mm); }

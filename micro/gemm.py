@@ -1,0 +1,95 @@
+"""``nodraft::mm``: the matrix product of the compiled passes, for the few rows they carry.
+
+A decode step multiplies 1 row by each weight matrix; a verification pass 2-17. MKL's
+sgemm, which ``torch.mm`` calls, is built for large products: on this CPU (AVX-512, one
+thread) a 2-row product over micro's five matrix shapes costs 1.9x the 1-row one, and 3
+rows 2.7x, though every row reads the same weights. ``csrc/gemm.cpp`` holds a tile of up
+to 6 rows by 64 columns in registers and reads each weight once for all of its rows.
+Summed over the matrices of one pass (4 layers + the head, one thread, best of 5 runs of
+500, ``torch.mm`` -> ``nodraft::mm``, microseconds):
+
+    rows     1        2        3        5        9        17       32
+    pass     142->107 265->118 383->169 495->196 643->400 945->628 1387->1179
+
+It is also **batch-invariant**: every output element is one sum over k in order, however
+many rows the call has and however its columns are split between threads. A token's
+logits are bit-identical whether the engine verifies it alone or with 16 drafted tokens
+after it -- so speculative and plain greedy decoding agree on it by construction, not by
+the luck of near-ties (the attention around the products still differs in the last bits
+between block sizes; tests/engine/test_gemm.py).
+
+Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 -mavx512f -mfma, ~20 s
+once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``), on CPUs that
+report AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Elsewhere, or if the build
+fails, ``matmul`` is ``torch.mm`` and a warning says why. ``NODRAFT_GEMM=torch`` chooses
+``torch.mm`` everywhere (the A/B the benchmarks run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger("nodraft.gemm")
+
+SOURCE = Path(__file__).with_name("csrc") / "gemm.cpp"
+CHOICES = ("auto", "torch")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "loaded": bool, "why": str
+
+
+def _build() -> tuple[bool, str]:
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return False, f"this CPU's vector unit is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    try:
+        from torch.utils.cpp_extension import load
+
+        load("nodraft_gemm", [str(SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"],
+             is_python_module=False, verbose=False)
+    except Exception as e:  # no compiler, no headers: torch.mm serves
+        return False, f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1][:300]}"
+
+    @torch.library.register_fake("nodraft::mm")
+    def _(a: Tensor, b: Tensor) -> Tensor:
+        return a.new_empty((a.shape[0], b.shape[1]))
+
+    return True, "built"
+
+
+def load() -> bool:
+    """Build and register ``nodraft::mm`` once per process; True when it serves."""
+    with _lock:
+        if "loaded" not in _state:
+            ok, why = _build()
+            _state.update(loaded=ok, why=why)
+            if not ok:
+                log.warning("nodraft::mm unavailable (%s); the compiled passes use torch.mm", why)
+        return bool(_state["loaded"])
+
+
+def why() -> str:
+    """Why ``load()`` returned what it did ('' before it ran)."""
+    return str(_state.get("why", ""))
+
+
+def choose(gemm: str | None = None) -> str:
+    """'nodraft' or 'torch': the product the compiled passes will use. ``gemm`` (default:
+    ``NODRAFT_GEMM``, else 'auto'): 'auto' takes nodraft's kernel where it loads."""
+    gemm = (gemm or os.environ.get("NODRAFT_GEMM") or "auto").strip().lower()
+    if gemm not in CHOICES:
+        raise ValueError(f"gemm must be one of {', '.join(CHOICES)}, not {gemm!r}")
+    return "nodraft" if gemm == "auto" and load() else "torch"
+
+
+def matmul(kind: str):
+    """The product function for ``kind`` ('nodraft' or 'torch'): f(a (M, K), b (K, N))."""
+    if kind == "nodraft":
+        op = torch.ops.nodraft.mm.default
+        return lambda a, b: op(a, b)
+    return torch.mm
