@@ -12,16 +12,17 @@ Summed over the matrices of one pass (4 layers + the head, one thread, best of 5
     pass     142->107 265->118 383->169 495->196 643->400 945->628 1387->1179
 
 It is also **batch-invariant**: every output element is one sum over k in order, however
-many rows the call has and however its columns are split between threads. A token's
-logits are bit-identical whether the engine verifies it alone or with 16 drafted tokens
-after it -- so speculative and plain greedy decoding agree on it by construction, not by
-the luck of near-ties (the attention around the products still differs in the last bits
-between block sizes; tests/engine/test_gemm.py).
+many rows the call has and however its columns are split between threads
+(tests/micro/test_gemm.py). A token's products are bit-identical whether the engine
+verifies it alone or behind 16 drafted tokens: one place fewer where a 1-row and a k-row
+pass disagree in the last bits. The attention around them still differs between block
+sizes, so that speculative greedy equals plain greedy still rests on the equivalence
+tests, as before.
 
-Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 -mavx512f -mfma, ~20 s
+Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 -mavx512f -mfma, 10-20 s
 once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``), on CPUs that
 report AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Elsewhere, or if the build
-fails, ``matmul`` is ``torch.mm`` and a warning says why. ``NODRAFT_GEMM=torch`` chooses
+fails, ``choose`` picks ``torch.mm`` and a warning says why. ``NODRAFT_GEMM=torch`` chooses
 ``torch.mm`` everywhere (the A/B the benchmarks run).
 """
 
