@@ -8,8 +8,8 @@
 //
 // Every C element is one sum over k in order 0 .. K-1 (one fused multiply-add per k),
 // whatever M is, however the columns are split between threads: a row's result does not
-// depend on the other rows of the call. So a token's logits are bit-identical whether it
-// is verified alone or in a block of drafted tokens.
+// depend on the other rows of the call. So a token's products are bit-identical whether
+// it is verified alone or in a block of drafted tokens.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
