@@ -16,7 +16,7 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   the weights (``transposed_weights``), which MKL multiplies a few rows by faster than
   the (out, in) originals ``F.linear`` reads transposed.
 - **Products by nodraft::mm** (micro/gemm.py) where it builds: a few-row AVX-512 kernel,
-  0.47-0.77x MKL's cost at 2-9 rows, and batch-invariant; otherwise ``torch.mm``.
+  0.51-0.70x MKL's cost at 2-9 rows, and batch-invariant; otherwise ``torch.mm``.
 - **Attention is split at the cache boundary.** Scores against the cached rows and against
   the block itself (under the block's mask: causal for chains, the tree for trees) are
   soft-maxed together, then each part weights its own values. No concatenation of the

@@ -11,7 +11,7 @@ rows. Whole compiled passes, the two products alternated in one run
 torch.mm's:
 
     rows                     1     2     3     5     9     17
-    nodraft::mm / torch.mm   0.92  0.77  0.70  0.47  0.60  0.70
+    nodraft::mm / torch.mm   0.87  0.70  0.62  0.51  0.56  0.66
 
 It is also **batch-invariant**: every output element is one sum over k in order, however
 many rows the call has and however its columns are split between threads
