@@ -7,6 +7,7 @@ import time
 import httpx
 from server_testing import LiveServer
 
+from micro import gemm
 from server.settings import Settings
 
 METHODS = ["none", "prompt_lookup", "suffix", {"method": "early_exit", "exit_layer": 2},
@@ -36,6 +37,9 @@ def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoin
         assert compiled is not None and compiled._ready
         # warm-up readied full passes of one row and of several: none compiles later
         assert {f[3] for f in compiled._ready if f[:3] == (0, 4, True)} == {False, True}
+        # with nodraft's product wherever it builds (--gemm auto, the default)
+        assert compiled.gemm == "auto"
+        assert compiled.gemm_kind == ("nodraft" if gemm.load() else "torch")
         for speculation in METHODS:
             got = _complete(server.url, speculation)
             want = _complete(live.url, speculation)

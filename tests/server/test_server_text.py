@@ -4,6 +4,7 @@ template, settings from the environment and flags."""
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,6 +112,10 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     assert Settings().engine_threads == 7 and Settings(threads=3).engine_threads == 3
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert Settings().engine_threads == 1
+    # the compiled passes' product (micro/gemm.py): auto by default, torch on request
+    assert defaults.gemm == "auto" and Settings.from_argv(["--gemm", "torch"]).gemm == "torch"
+    with pytest.raises(ValidationError):
+        Settings.from_argv(["--gemm", "mkl"])
 
 
 def test_serve_help(capsys):
