@@ -199,7 +199,7 @@ def transposed_weights(model) -> dict[str, Tensor]:
     return out
 
 
-def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor], mm=torch.mm):
+def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor], mm):
     """The graph's function; its products are ``mm(x, w)`` (micro.gemm) over ``wt``
     (``transposed_weights``)."""
     c = model.config

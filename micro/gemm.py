@@ -92,7 +92,4 @@ def choose(gemm: str | None = None) -> str:
 
 def matmul(kind: str):
     """The product function for ``kind`` ('nodraft' or 'torch'): f(a (M, K), b (K, N))."""
-    if kind == "nodraft":
-        op = torch.ops.nodraft.mm.default
-        return lambda a, b: op(a, b)
-    return torch.mm
+    return torch.ops.nodraft.mm.default if kind == "nodraft" else torch.mm
