@@ -6,11 +6,11 @@
 One sequence, ``--context`` cached rows, a verification pass (``Micro.verify_pass``) over
 a block of each size: eager micro and the compiled graphs (micro/compiled.py, compiled
 before timing), these twice where nodraft's product builds: multiplying with ``torch.mm``
-and with ``nodraft::mm`` (micro/gemm.py). Runs of 20 identical passes alternate, size by size and mode by mode (a
-decode loop repeats one kind of pass, so its weights stay in cache); each figure is the
-median of ``--repeats`` passes. Reported: microseconds per pass, each size's cost in 1-row passes of
-the same mode (the curve an adaptive draft length has to know), compiled over eager, and
-nodraft::mm over torch.mm.
+and with ``nodraft::mm`` (micro/gemm.py). Runs of 20 identical passes alternate, size by
+size and mode by mode (a decode loop repeats one kind of pass, so its weights stay in
+cache); each figure is the median of ``--repeats`` passes. Reported: microseconds per
+pass, each size's cost in 1-row passes of the same mode (the curve an adaptive draft
+length has to know), compiled over eager, and nodraft::mm over torch.mm.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
