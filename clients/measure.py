@@ -17,6 +17,7 @@ import copy
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,10 +55,16 @@ class Run:
 
 def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
            params: dict | None = None, registry: Registry | None = None,
-           shared: dict | None = None, model_name: str = "micro") -> Run:
+           shared: dict | None = None, model_name: str = "micro",
+           heads: Path | None = None) -> Run:
+    """One greedy decode; ``heads``: where trained drafters find their weights (default:
+    beside the checkpoints)."""
     registry = registry or Registry()
     meth, p = registry.parse({"method": method, **(params or {})})
-    drafter = registry.build(meth, p, DrafterEnv(model_name, model, {} if shared is None else shared))
+    env = DrafterEnv(model_name, model, {} if shared is None else shared)
+    if heads is not None:
+        env.checkpoint_dir = Path(heads)
+    drafter = registry.build(meth, p, env)
     seq = Sequence(model, KVCache(model.config, 1), 0, prompt, drafter, n_tokens, method=meth)
     out: list[int] = []
     with torch.inference_mode():
@@ -71,7 +78,8 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
 
 def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str,
                      params: dict | None = None, repeats: int = 5,
-                     model_name: str = "micro", shared=None) -> tuple[float, Run, float]:
+                     model_name: str = "micro", shared=None,
+                     heads: Path | None = None) -> tuple[float, Run, float]:
     """(median of none's time / the drafter's time, the drafter's last run, none's median
     seconds). Runs alternate none / drafter so drift on a shared machine hits both.
     Each drafter run starts with fresh per-request state and, by default, a fresh server
@@ -80,12 +88,12 @@ def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str
     by an earlier identical response."""
     reg = Registry()
     state = shared or dict
-    decode(model, prompt, n_tokens, method, params, reg, state(), model_name)  # warm-up
+    decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads)  # warm-up
     base, ratios = [], []
     run = None
     for _ in range(repeats):
         b = decode(model, prompt, n_tokens, "none", None, reg, model_name=model_name)
-        run = decode(model, prompt, n_tokens, method, params, reg, state(), model_name)
+        run = decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads)
         if run.tokens != b.tokens:
             raise AssertionError(f"{method} changed the greedy output")
         base.append(b.seconds)

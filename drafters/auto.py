@@ -1,32 +1,40 @@
 """``auto``: per step, the drafter and draft length with the best expected goodput.
 
 Goodput is tokens per second. For a candidate draft of k tokens whose tokens are accepted
-with per-token probability ``alpha`` (geometric model), one step is expected to emit
-``1 + alpha + alpha**2 + ... + alpha**k`` tokens and to take the drafter's own time plus a
-target pass over ``1 + k`` rows. The candidates, and the signals each is judged on:
+with per-token probability ``alpha`` (geometric model), one step emits
+``1 + alpha + alpha**2 + ... + alpha**k`` tokens and takes the drafter's own time plus a
+target pass over ``1 + k`` rows. ``alpha`` is not known but believed: auto keeps a
+Beta(accepted, rejected) belief per candidate and takes the expectation of that sum under
+it, ``1 + sum_j E[alpha**j]`` (``_Estimate.tokens``), not the sum at the belief's mean.
+While the belief is wide the two differ most -- from Beta(1, 1) a 16-token draft expects
+3.4 tokens, at the mean 0.5 only 2.0 -- so a fresh server no longer trims its first
+long matches to a few tokens while it learns. The candidates, and the signals each is
+judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
   them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
   draft. A match's draft is trimmed to the length where one more token stops paying.
 - ``eagle`` and ``medusa``: when the model has trained weights. Their draft is not free
   (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
-  their recent acceptance and measured drafting time first (one target pass until
-  measured), and only drafts with the one it picks. On this 2-core CPU a draft step costs
-  nearly a pass, so they rarely pay and auto mostly leaves them out.
+  their recent acceptance (at the belief's mean: trying one costs a whole draft step) and
+  measured drafting time first (one target pass until measured), and only drafts with the
+  one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
+  of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 
 ``alpha`` is estimated per drafter *and match length* (prompt lookup's n-gram, suffix
 decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together): a 3-gram
 match is accepted far more often than a 1-gram one, and with one figure per drafter the
-1-gram misses trimmed the long matches' drafts. Each is accepted / (accepted + rejections)
-over the request's recent steps (exponential moving average), starting from what earlier
-requests on this server measured for that key (kept per model), so a fresh request starts
-informed; a fresh server starts every key at 0.5. A cheap drafter's chain that auto did not
-send is scored too, against the tokens the pass emitted (its matching prefix; a mismatch
-within them counts as a rejection), so a drafter passed over once is not stuck at its
-prior. An estimate not updated for a while is pulled back towards the server-wide figure,
-so a text that turns repetitive is noticed. The drafters share one n-gram index of the
-request (``drafters.suffix.request_index``), built once a step.
+1-gram misses trimmed the long matches' drafts. Each belief counts the accepted tokens and
+the rejections of the request's recent steps (decayed: an exponential moving average),
+starting from what earlier requests on this server counted for that key (kept per model),
+so a fresh request starts informed; a fresh server starts every key at Beta(1, 1),
+uniform. A cheap drafter's chain that auto did not send is scored too, against the tokens
+the pass emitted (its matching prefix; a mismatch within them counts as a rejection), so a
+drafter passed over once is not stuck at its prior. A belief not updated for a while is
+pulled back towards the server-wide one, so a text that turns repetitive is noticed. The
+drafters share one n-gram index of the request (``drafters.suffix.request_index``), built
+once a step.
 
 Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
 rows, interpolated), measured once per model at the first ``auto`` step (in that
@@ -59,24 +67,43 @@ TRAINED = ("eagle", "medusa")
 DECAY = 0.85
 
 
+MAX_ALPHA = 0.97  # the most any estimate believes
+
+
 @dataclass
 class _Estimate:
+    """Acceptance of one (drafter, match length), as a Beta(accepted, rejected) belief
+    over the per-token acceptance alpha: pseudo-counts of accepted tokens and of
+    rejections, decayed per observation, starting from Beta(1, 1) (uniform)."""
+
     accepted: float = 1.0
     rejected: float = 1.0
     step: int = 0  # the request step it was last brought up to date (drift, see Auto)
 
     @property
     def alpha(self) -> float:
-        return min(0.97, self.accepted / (self.accepted + self.rejected))
+        return min(MAX_ALPHA, self.accepted / (self.accepted + self.rejected))
 
     def observe(self, depth: int, accepted: int, decay: float = DECAY) -> None:
         self.accepted = decay * self.accepted + accepted
         self.rejected = decay * self.rejected + (1.0 if accepted < depth else 0.0)
 
+    def tokens(self, n: int) -> list[float]:
+        """Expected tokens of a step, E[1 + alpha + ... + alpha**k], for k = 0..n, under
+        this belief: E[alpha**j] = prod_{i<j} (a + i) / (a + r + i) for Beta(a, r).
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """1 + alpha + ... + alpha**k: the bonus token plus the expected accepted drafts."""
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
+        Not the geometric sum at the mean: alpha**j is convex, so while the belief is wide
+        (a fresh server, a new match length) a long draft is worth more than the mean
+        says -- Beta(1, 1) expects 1/(j + 1) of the j-th token, not 0.5**j -- and auto
+        drafts long enough to learn that a match is good. As the counts grow it tends to
+        the geometric sum at the mean (capped at MAX_ALPHA)."""
+        a = self.accepted
+        r = max(self.rejected, a * (1 - MAX_ALPHA) / MAX_ALPHA)
+        out, m = [1.0], 1.0
+        for i in range(n):
+            m *= (a + i) / (a + r + i)
+            out.append(out[-1] + m)
+        return out
 
 
 ROWS = (1, 2, 3, 5, 9, 17)  # the pass sizes timed; between them, linear interpolation
@@ -241,16 +268,14 @@ class Auto:
         self.draft_seconds[name] = dt if old is None else 0.8 * old + 0.2 * dt
         return draft
 
-    def _goodput(self, alpha: float, k: int, rows: int, seconds: float) -> float:
-        return expected_tokens(alpha, k) / (self.cost(1 + rows) + seconds)
+    def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
+        return tokens / (self.cost(1 + rows) + seconds)
 
-    def _best_length(self, alpha: float, n: int) -> tuple[float, int]:
+    def _best_length(self, est: _Estimate, n: int) -> tuple[float, int]:
         """(goodput, k): the chain length k <= n with the best expected goodput."""
         by_rows = self.cost.by_rows
-        best_g, best_k, tokens, a = 0.0, 0, 1.0, 1.0
-        for k in range(1, n + 1):
-            a *= alpha
-            tokens += a
+        best_g, best_k = 0.0, 0
+        for k, tokens in enumerate(est.tokens(n)[1:], start=1):
             g = tokens / by_rows[k + 1]
             if g > best_g:
                 best_g, best_k = g, k
@@ -269,28 +294,34 @@ class Auto:
             if not len(draft):
                 continue
             key = (name, min(draft.match_len, MAX_MATCH))
-            alpha = self._estimate(key).alpha
+            est = self._estimate(key)
             if draft.parents is None:  # a chain: trim to the best length
                 tokens = draft.tokens.tolist()
                 self.proposals[key] = tokens
-                g, k = self._best_length(alpha, len(tokens))
+                g, k = self._best_length(est, len(tokens))
                 if g > best_g:
                     best_key, best_draft, best_g = key, (draft, k), g
             else:
-                g = self._goodput(alpha, max(draft.depths()), len(draft), 0.0)
+                depth = max(draft.depths())
+                g = self._goodput(est.tokens(depth)[depth], len(draft), 0.0)
                 if g > best_g:
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
         for name in self.trained:
             key = (name, 0)
-            alpha = self._estimate(key).alpha
+            est = self._estimate(key)
             # not yet measured on this server: assume a draft step costs one target pass
-            # (EAGLE's measured 0.8-0.9 of a pass here, Medusa's 0.7), so it is tried only
-            # when that would still pay
+            # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's 0.7), so it is
+            # tried only when that would still pay
             seconds = self.draft_seconds.get(name, self.cost(1))
             p = self.drafters[name].params  # EAGLE: depth, total_tokens; Medusa: num_heads
             depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
             rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))
-            g = self._goodput(alpha, depth, rows, seconds)
+            # valued at the belief's mean, without the optimism of a wide belief: unlike a
+            # cheap drafter's chain, which is scored every step whether sent or not, a
+            # trained drafter's belief is only informed by drafting with it, at a full
+            # draft step's cost (EAGLE's first also reads the whole prompt into its cache)
+            alpha = est.alpha
+            g = self._goodput((1 - alpha ** (depth + 1)) / (1 - alpha), rows, seconds)
             if g > best_g:
                 draft = self._timed(name, ctx, budget)
                 if len(draft):

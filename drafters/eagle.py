@@ -76,32 +76,64 @@ is a (V, dim) table, ``embed @ W_tok^T + b``, precomputed once), and the N-way h
     cost = depth * (layer + dim^2 + N * dim) / (L * layer + V * dim)
 
 with layer = 4·dim² + 3·dim·ffn_dim. For micro (dim 160, ffn 384, L = 4, V = 4096),
-N = 1024: 0.264 per forward, 0.79 per step at the default depth 3 (the full head: 0.54
+N = 1024: 0.264 per forward, 1.59 per step at the default depth 6 (the full head: 0.54
 per forward). The table above agrees: one forward (1/1/2) took 0.3 of a target pass.
+
+The compiled draft step
+-----------------------
+With the target's passes compiled (``Micro.compile``), a draft step -- the catch-up, every
+level of the tree or chain, the top-k and rerank bookkeeping -- is one ``torch.compile``
+graph (``CompiledDraft``), built from the same layer code as the target's graphs
+(``micro.compiled.attend_layer``) and multiplying with ``nodraft::mm`` (micro/gemm.py). Eager,
+the default tree's step took 1.47 ms of CPU time against 0.73 ms for the 8-row pass that
+verifies it: ~60 small operations at 5-20 us each. Compiled (one thread, 100 committed rows,
+``CompiledDraft.step`` timed alone): 3/3/8 445 us, a chain of 6 (6/1/7) 370 us, one level
+(1/1/2) 142 us, so ~46 us a further level -- about the FLOPs model's 0.26 of a 366 us
+1-row target pass. Three things made the graph that cheap:
+
+- ``cpp_wrapper``: C++, not Python, calls the graph's ~90 kernels (6/1/7: 588 -> 437 us;
+  3/3/8: 442 -> 355 us, same process);
+- a chain (top_k = 1) takes each level's argmax -- no log-softmax, no top-k, no rerank
+  (437 -> 384 us);
+- a chain node's draft head and the next level's fc read the same feature: one product
+  over the two matrices side by side (384 -> 370 us).
+
+Fusing the attention over the committed rows into the loops, as the block's own part is,
+gained nothing (379 against 373 us). A step whose catch-up has one row (after a rejection
+at the first draft) and one with several have a graph each; the committed length is
+dynamic. The server compiles the default shape at start-up (``Eagle.warm_up``, called by
+``Engine.warm_up``); other shapes draft eager there, or compile at first use when the
+passes are lazy (benchmarks, tests). Near the end of a request the draft is the compiled
+tree's first ``budget`` nodes.
 
 Measured speed (``benchmarks/eagle_sweep.py``)
 ----------------------------------------------
-micro, 128 greedy tokens, measured speed-up over ``none`` (runs alternated, median of 7-9),
-1 thread on the shared 2-core machine:
+micro, 128 greedy tokens, measured speed-up over ``none`` (runs alternated, median of
+5-7), 2 threads, compiled, the self-distilled head (below):
 
-- the micro checkpoint before its 13:56 retrain with a 3-minute head (held-out top-1 0.53
-  at depth 1), machine under load: fresh prompt 3/1/4 1.06x, 3/2/6 1.05x, **3/3/8 1.14x**
-  (2.67 tokens per pass), 4/2/8 1.06x, 5/2/10 1.01x; repeating prompt 3/3/8 1.35x;
-  micro-layerskip with its 3-minute head, 3/3/8: 0.92x fresh, 0.95x repeating;
-- the retrained micro with a 10-minute head (0.54), machine quiet: fresh 1/1/2 0.85x,
-  2/1/3 0.93x, 3/1/4 0.91x, 2/2/4 0.91x, 3/2/6 0.89x, **3/3/8 0.95x and 1.02x** in two runs
-  (2.98 tokens per pass, estimated 1.67x), 4/2/8 0.89x, 4/4/12 0.98x / 0.97x (3.12);
-  repeating prompt 3/3/8 1.14x (3.37 tokens per pass), 4/4/12 1.01x (4.13).
+    depth/top_k/total    fresh prompt              repeating prompt
+    3/1/4                1.12x (3.05 tokens/pass)  1.14x (3.28)
+    4/1/5                1.19x (3.46)              1.14x (4.00)
+    5/1/6                1.04x, 1.12x (3.88)       1.19x, 1.03x (4.27)
+    6/1/7                1.34x, 1.29x (5.33)       1.18x, 1.18x (4.74)
+    7/1/8                1.15x, 1.05x (5.33)       1.12x, 1.09x (5.12)
+    8/1/9                1.17x (5.33)              1.19x (5.33)
+    10/1/11              0.99x (5.33)              1.19x (6.10)
+    3/3/8                0.79x (3.12)              0.83x (3.37)
+    5/2/8                0.74x (3.88)              0.92x (4.41)
+    6/2/10               0.94x (4.92)              0.90x (4.92)
 
-Hence the defaults 3/3/8 (the best or level with the best every time, with less draft
-work than 4/4/12). The 1.3x aimed at on fresh text is **not reached**. Tokens per pass
-are there (2.7-3.0); the cost is not what the FLOPs model says on this CPU: in the decode
-loop a draft step of 3/3/8 took 1.6 ms against 1.2 ms for a whole ``none`` step (a
-forward of the EAGLE layer costs ~0.4 of a 1-row target pass, per-operation overhead,
-not 0.26), and verification passes over more than one row cost far more than one row:
-with a drafter that computes nothing and proposes one token, the 2-row passes took
-1.59 ms against 1.07 ms for the 1-row passes of ``none`` (``server.sequence`` /
-``micro.model``: the masked attention path and the head over every row).
+Hence the defaults 6/1/7: best on the fresh prompt, level with the best on the repeating
+one. Chains beat trees now that the head's top-1 is right ~85% of the time on the target's
+own text: a tree's extra nodes rarely hold the accepted token and cost a wider graph and
+more verification rows. Mind the spread: on the fresh prompt micro's greedy output falls
+into a loop (``getattr(obj, '_is_instance', None) is not ...``), the head misses at about
+the same place each time round, and a chain of 6 happens to fit the loop (5.33 tokens per
+pass against 3.88 for a chain of 5); the earlier head (natural text only) gave 1.24x fresh
+and 1.27x repeating at 6/1/7 in the same session. micro-layerskip's fresh output is not a
+loop and its head is right less often there (17-23% acceptance): 4/1/5 0.67x, 6/1/7 0.48x,
+3/3/8 0.60x; repeating 0.76x, 0.67x, 0.72x. EAGLE pays on this CPU only where the target's
+text is predictable from its own features.
 
 Files
 -----
@@ -112,9 +144,16 @@ frequent first; metadata ``config`` = the target's MicroConfig as JSON. Beside i
 top-1 accuracy by position, draft-step timings). Loaded once per model into
 ``env.shared["eagle_head"]``, cast to the target's dtype.
 
-Training: ``nodraft train eagle --model micro --minutes 20`` (``drafters.eagle_train``;
-the committed heads: ``--minutes 40`` for micro, ``--minutes 15`` for micro-layerskip, both
-``--threads 1``; their records beside the weights hold the commands and held-out figures).
+Training: ``nodraft train eagle --model micro --minutes 20`` (``drafters.eagle_train``).
+The committed heads were trained in two stages, each record nesting the first's (``init``):
+on the train split (``--minutes 40`` for micro, ``--minutes 15`` for micro-layerskip), then
+on from those weights with half of every batch the target's own greedy continuations of
+train-split prompts (``--init <model> --self-distill 0.5 --lr 3e-3``, 25 and 20 minutes;
+``--threads 1`` throughout). Self-distillation moved the top-1 on the target's greedy
+continuations of held-out prompts (the path drafted at run time; ``evaluate_head`` with
+``greedy_rows``) from 0.84/0.83/0.82/0.82/0.82 to 0.85/0.84/0.84/0.83/0.83 at depths 1-5 for
+micro and from 0.77/0.76/0.76/0.76/0.75 to 0.79/0.79/0.79/0.78/0.78 for micro-layerskip,
+and cost at most 0.5 points on held-out text (0.57 -> 0.57 and 0.55 -> 0.55 at depth 1).
 """
 
 from __future__ import annotations
@@ -122,6 +161,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,6 +171,7 @@ from torch import Tensor, nn
 
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, SpeculationError
+from micro.compiled import MIN_CONTEXT, OPTIONS
 from micro.model import Block, Micro, MicroConfig, additive_mask, apply_rope
 
 
@@ -251,8 +292,61 @@ def target_features(model: Micro, ids: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
+def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """The target's greedy continuation of each row of ``prompts`` (B, P) by ``n_new``
+    tokens: (B, P + n_new). Batched, with a key/value cache of its own (micro's KVCache
+    holds one row per slot); the same layers and arithmetic as ``Micro.forward``. For
+    self-distillation (``drafters.eagle_train``) and evaluation on the target's own text."""
+    B, P = prompts.shape
+    c = model.config
+    H, D = c.n_heads, c.head_dim
+    total = P + n_new
+    ks = torch.zeros(c.n_layers, B, H, total, D, dtype=model.tok_embeddings.weight.dtype)
+    vs = torch.zeros_like(ks)
+    out = torch.empty(B, total, dtype=torch.long)
+    out[:, :P] = prompts
+    x, start = prompts, 0
+    for _ in range(n_new):
+        T = x.shape[1]
+        pos = torch.arange(start, start + T)
+        cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]
+        h = model.embed(x)
+        for i, layer in enumerate(model.layers):
+            att, an, fn = layer.attention, layer.attention_norm, layer.ffn_norm
+            qkv = F.linear(F.rms_norm(h, an.weight.shape, an.weight, an.eps), att.wqkv.weight)
+            qkv = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
+            q, k = apply_rope(qkv[:2], cos, sin).unbind(0)
+            ks[i, :, :, start:start + T], vs[i, :, :, start:start + T] = k, qkv[2]
+            y = F.scaled_dot_product_attention(q, ks[i, :, :, :start + T],
+                                               vs[i, :, :, :start + T], is_causal=T > 1)
+            h = h + F.linear(y.transpose(1, 2).reshape(B, T, c.dim), att.wo.weight)
+            h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
+        nxt = model.head(h[:, -1]).argmax(-1)
+        start += T
+        out[:, start] = nxt
+        x = nxt[:, None]
+    return out
+
+
+GREEDY_PROMPT = 64  # held-out prompt tokens before the target's greedy continuation
+
+
+def greedy_rows(model: Micro, stream, windows: int = 64, prompt_len: int = 64,
+                seq_len: int = 256, seed: int = 0) -> Tensor:
+    """``windows`` prompts of ``prompt_len`` tokens from ``stream`` (e.g. the held-out
+    split), each continued by the target's greedy decoding to seq_len + 1 tokens: the text
+    a drafter meets at run time, where what it must guess is the target's own output."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.as_tensor(stream, dtype=torch.long)
+    starts = torch.randint(0, len(ids) - prompt_len, (windows,), generator=gen)
+    prompts = torch.stack([ids[s:s + prompt_len] for s in starts.tolist()])
+    return greedy_continue(model, prompts, seq_len + 1 - prompt_len)
+
+
+@torch.no_grad()
 def evaluate_head(model: Micro, head_state: dict[str, Tensor], stream, depth: int = 5,
-                  windows: int = 64, seq_len: int = 256, seed: int = 0) -> dict:
+                  windows: int = 64, seq_len: int = 256, seed: int = 0,
+                  rows: Tensor | None = None, first: int = 0) -> dict:
     """Held-out top-1 accuracy of the head by position (depth 1..depth).
 
     ``windows`` random windows of ``seq_len + 1`` tokens of ``stream`` (an id array, e.g.
@@ -264,14 +358,21 @@ def evaluate_head(model: Micro, head_state: dict[str, Tensor], stream, depth: in
     top-1 drafts with d-1 accepted tokens has its d-th accepted too (the path read is the
     text's, where at run time it is the target's own greedy continuation).
     ``vocab_coverage`` is the share of the target's greedy tokens inside the draft
-    vocabulary (the ceiling on every figure)."""
+    vocabulary (the ceiling on every figure).
+
+    ``rows`` (W, seq_len + 1) replaces the windows, e.g. ``greedy_rows``: the target's own
+    greedy continuations, where the path read *is* the run-time path and ``top1[d-1]`` the
+    chance that a chain's d-th draft is accepted after d-1 were; ``first`` then counts only
+    positions from there on (the continuation, not its prompt)."""
     model.eval()
     dtype = model.tok_embeddings.weight.dtype
     head = EagleHead.from_state(model.config, head_state).to(dtype)
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.as_tensor(stream, dtype=torch.long)
-    starts = torch.randint(0, len(ids) - seq_len - 1, (windows,), generator=gen)
-    rows = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])  # (W, T+1)
+    if rows is None:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.as_tensor(stream, dtype=torch.long)
+        starts = torch.randint(0, len(ids) - seq_len - 1, (windows,), generator=gen)
+        rows = torch.stack([ids[s:s + seq_len + 1] for s in starts.tolist()])  # (W, T+1)
+    windows = rows.shape[0]
     correct = torch.zeros(depth)
     counted = torch.zeros(depth)
     covered = 0
@@ -282,15 +383,15 @@ def evaluate_head(model: Micro, head_state: dict[str, Tensor], stream, depth: in
         greedy = model.head(h).argmax(-1)  # (B, T+1): the target's token after position t
         outs = unroll(head, model, x[:, 1:], f[:, :-1], depth)
         want = greedy[:, 1:]  # row p predicts the token after position p + 1
-        covered += int(torch.isin(want, head.draft_vocab).sum())
+        covered += int(torch.isin(want[:, first:], head.draft_vocab).sum())
         for j, out in enumerate(outs):
             got = head.draft_vocab[(out @ W_draft.T).argmax(-1)]
-            ok = (got == want)[:, j:]  # rows p >= j have a valid input at step j + 1
+            ok = (got == want)[:, max(j, first):]  # rows p >= j: a valid input at step j + 1
             correct[j] += ok.sum()
             counted[j] += ok.numel()
     return {"top1_by_position": [round(float(c / n), 4) for c, n in zip(correct, counted)],
             "positions": int(counted[0]), "draft_vocab": int(head.draft_vocab.numel()),
-            "vocab_coverage": round(covered / float(rows[:, 1:].numel()), 4)}
+            "vocab_coverage": round(covered / float(rows[:, 1 + first:].numel()), 4)}
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -401,10 +502,11 @@ class Eagle:
 
     @dataclass(frozen=True)
     class Params:
-        # chosen by measurement (``benchmarks/eagle_sweep.py``, see the module docstring)
-        depth: int = 3  # tree levels = forwards of the EAGLE layer per step
-        top_k: int = 3  # children per expanded node, and nodes expanded per level
-        total_tokens: int = 8  # the current token + at most total_tokens - 1 draft nodes
+        # chosen by measurement (``benchmarks/eagle_sweep.py``, see the module docstring):
+        # with the compiled draft step a top-1 chain of 6 beat every tree on micro
+        depth: int = 6  # tree levels = forwards of the EAGLE layer per step
+        top_k: int = 1  # children per expanded node, and nodes expanded per level
+        total_tokens: int = 7  # the current token + at most total_tokens - 1 draft nodes
 
         def __post_init__(self):
             if not 1 <= self.depth <= 12:
@@ -431,14 +533,16 @@ class Eagle:
         self._penalties: dict[tuple, Tensor] = {}
 
     # -- the draft KV cache -------------------------------------------------------------
+    def _new_state(self, max_len: int) -> EagleState:
+        c = self.loaded.model.config
+        cap = max_len + self.params.depth * self.params.top_k
+        k = torch.zeros(c.n_heads, cap, c.head_dim, dtype=self.loaded.w_draft_t.dtype)
+        return EagleState(k, torch.zeros_like(k))
+
     def _state(self, ctx: DraftContext) -> EagleState:
         st = ctx.state.get("eagle")
         if st is None:
-            c = ctx.model.config
-            cap = ctx.cache.max_len + self.params.depth * self.params.top_k
-            dtype = self.loaded.w_draft_t.dtype
-            k = torch.zeros(c.n_heads, cap, c.head_dim, dtype=dtype)
-            st = ctx.state["eagle"] = EagleState(k, torch.zeros_like(k))
+            st = ctx.state["eagle"] = self._new_state(ctx.cache.max_len)
         return st
 
     def _ingest(self, ctx: DraftContext, st: EagleState) -> None:
@@ -451,17 +555,26 @@ class Eagle:
         st.pending.append(h[have - (n - h.shape[0]):])
         st.pending_rows = n - st.rows
 
-    def _catch_up(self, ctx: DraftContext, st: EagleState) -> None:
-        """Append rows [st.rows, n) to the draft cache in one causal forward; keep the last
-        row's output (the root's feature)."""
-        n, m = ctx.n_cached, ctx.model
+    def _take_pending(self, ctx: DraftContext, st: EagleState) -> Tensor:
+        """The target's pre-norm hidden rows for positions [st.rows, n), from the queue
+        (or recomputed when a step went unseen)."""
+        n = ctx.n_cached
         if st.rows + st.pending_rows == n and st.pending:
-            h = torch.cat(st.pending)
+            h = st.pending[0] if len(st.pending) == 1 else torch.cat(st.pending)
         else:  # features missed (a step this drafter did not see): recompute them
             hidden: list[Tensor] = []
-            m(torch.tensor([ctx.tokens[:n]]), hidden=hidden)
+            ctx.model(torch.tensor([ctx.tokens[:n]]), hidden=hidden)
             h = hidden[-1][0, st.rows:n]
         st.pending, st.pending_rows = [], 0
+        return h
+
+    def _catch_up(self, ctx: DraftContext, st: EagleState, h: Tensor, n: int | None = None
+                  ) -> None:
+        """Append rows [st.rows, n) (default: every committed row) to the draft cache in one
+        causal forward from their hidden rows h; keep the last row's output (the root's
+        feature)."""
+        n = ctx.n_cached if n is None else n
+        m = ctx.model
         a, T = st.rows, n - st.rows
         L = self.loaded
         x = L.tok_proj[torch.tensor(ctx.tokens[a + 1:n + 1])] + features(m, h) @ L.w_feat_t
@@ -475,6 +588,34 @@ class Eagle:
         out = self.layer.forward(x[None], cos, sin, (st.k, st.v), a, mask)
         st.rows, st.root = n, out[0, -1]
 
+    def _compiled_draft(self, model: Micro) -> "CompiledDraft | None":
+        """The compiled draft step when the target's passes are compiled."""
+        compiled = model.compiled
+        if compiled is None:
+            return None
+        drafts = _COMPILED_DRAFTS.setdefault(compiled, {})
+        cd = drafts.get(self.loaded.path)
+        if cd is None:
+            cd = drafts[self.loaded.path] = CompiledDraft(self.loaded, compiled)
+        return cd
+
+    def warm_up(self, cache) -> float:
+        """Compile this drafter's draft step (its tree shape, one-row and several-row
+        catch-ups) on a scratch draft cache as long as ``cache``'s rows; the server calls it
+        after the target's warm-up. Returns the seconds it took (0 without compiled passes)."""
+        cd = self._compiled_draft(self.loaded.model)
+        if cd is None:
+            return 0.0
+        t0 = time.perf_counter()
+        p, c = self.params, self.loaded.model.config
+        st = self._new_state(cache.max_len)
+        dtype = self.loaded.w_draft_t.dtype
+        start = 8
+        for T in (1, 3):
+            cd.step(torch.zeros(T, c.dim, dtype=dtype), torch.zeros(T, dtype=torch.long), st,
+                    start, p.depth, p.top_k, p.total_tokens - 1, 1.0, lazy=True)
+        return time.perf_counter() - t0
+
     # -- propose / observe --------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
@@ -484,10 +625,22 @@ class Eagle:
             return Draft.empty()  # a one-token prompt: no feature yet for the current token
         st = self._state(ctx)
         self._ingest(ctx, st)
-        if st.rows < n:
-            self._catch_up(ctx, st)
         depth = min(p.depth, budget)
         inv_t = 1.0 / ctx.temperature if ctx.temperature >= 0.05 else 1.0
+        if st.rows < n:
+            h = self._take_pending(ctx, st)
+            cd = self._compiled_draft(m)
+            if cd is not None and n - 1 >= MIN_CONTEXT:  # one graph for the request's tree shape
+                if st.rows < MIN_CONTEXT:  # after the prefill: the prompt's rows eager first
+                    split = n - 1 - st.rows
+                    self._catch_up(ctx, st, h[:split], n - 1)
+                    h = h[split:]
+                a = st.rows
+                done = cd.step(h, torch.tensor(ctx.tokens[a + 1:n + 1]), st, a, p.depth,
+                               p.top_k, p.total_tokens - 1, inv_t)
+                if done is not None:  # near the end of a request: its first ``budget`` nodes
+                    return self._draft(*done, p.depth * L.cost_per_forward).prefix(budget)
+            self._catch_up(ctx, st, h)
 
         def log_q(feats: Tensor) -> Tensor:  # draft log-probabilities over the draft vocab
             logits = feats @ L.w_draft_t
@@ -543,13 +696,210 @@ class Eagle:
         new_index = torch.full((total + 1,), -1)  # new_index[-1] = -1 for the root's children
         new_index[sel] = torch.arange(keep)
         parents = new_index[parents]
-        draft_tokens = self.draft_vocab[torch.cat(tokens)[sel]]
-        chain = bool((parents == torch.arange(-1, keep - 1)).all())
-        return Draft(draft_tokens, None if chain else parents, None, cost=cost)
+        return self._draft(self.draft_vocab[torch.cat(tokens)[sel]], parents, cost)
+
+    @staticmethod
+    def _draft(tokens: Tensor, parents: Tensor, cost: float) -> Draft:
+        chain = bool((parents == torch.arange(-1, parents.numel() - 1)).all())
+        return Draft(tokens, None if chain else parents, None, cost=cost)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         if ctx.n_cached:
             self._ingest(ctx, self._state(ctx))
+
+
+# -- the compiled draft step -------------------------------------------------------------------
+class CompiledDraft:
+    """A draft step -- the catch-up and the whole tree, rerank included -- as one
+    ``torch.compile`` graph per tree shape (depth, top_k, kept nodes), for targets whose
+    passes are compiled (``Micro.compile``). Eager, a step of the default 3/3/8 tree is ~60
+    small operations and took 1.47 ms of CPU time against 0.73 ms for the 8-row pass
+    that verifies it; inductor fuses the norms, masks, rotations, softmaxes and top-k
+    bookkeeping into a few loops around the layer's products (``micro.compiled.attend_layer``,
+    the target's own layer code, on (in, out) copies of the head's weights, with the
+    target's product, ``micro.gemm``).
+
+    As the target's graphs: the draft KV cache stays outside (the graph reads the committed
+    rows as a view and returns the catch-up's new keys and values), the committed length
+    and the catch-up's length are dynamic (one graph serves every context; a one-row
+    catch-up -- the usual step after a rejection -- gets a graph of its own), and a shape
+    compiles at its first step when the target's passes are lazy, else only in
+    ``Eagle.warm_up`` (the server's warm-up) and runs eager until then."""
+
+    def __init__(self, loaded: "LoadedHead", compiled):
+        from micro import gemm
+
+        self.loaded, self.compiled = loaded, compiled  # compiled: the target's CompiledPasses
+        self.mm = gemm.matmul(gemm.choose(compiled.gemm))
+        with torch.no_grad():
+            self.wt = {name: p.t().contiguous()
+                       for name, p in loaded.head.layer.named_parameters() if p.dim() == 2}
+        self._fns: dict[tuple, object] = {}
+        self._ready: set[tuple] = set()
+        self._inv_t: dict[tuple, Tensor] = {}  # 1 / temperature as a graph input, by value
+
+    def _fn(self, depth: int, top_k: int, keep: int):
+        key = (depth, top_k, keep)
+        fn = self._fns.get(key)
+        if fn is None:
+            from micro.compiled import named_code
+
+            core = _make_draft_core(self.loaded, self.wt, self.mm, depth, top_k, keep)
+            fn = self._fns[key] = torch.compile(
+                named_code(core, f"eagle_draft_{depth}_{top_k}_{keep}"), fullgraph=True,
+                options=DRAFT_OPTIONS)
+        return fn
+
+    def step(self, h: Tensor, next_tokens: Tensor, st: "EagleState", a: int,
+             depth: int, top_k: int, keep: int, inv_t: float, lazy: bool | None = None
+             ) -> tuple[Tensor, Tensor] | None:
+        """Rows [a, a + T) of the draft cache from the target's pre-norm hidden rows h
+        (T, dim) and the tokens after them, then the tree. Returns (draft token ids, parent
+        indices) with the catch-up's keys and values written and ``st`` advanced; None when
+        this shape is not compiled yet (the caller drafts eager)."""
+        T = h.shape[0]
+        shape = (depth, top_k, keep, T > 1, tuple(st.k.shape), h.dtype)
+        fresh = shape not in self._ready
+        if fresh and not (self.compiled.lazy if lazy is None else lazy):
+            return None
+        pos = torch.arange(a, a + T)
+        mask = self.compiled.causal(T, h.dtype) if T > 1 else None
+        k_past, v_past = st.k[:, :a], st.v[:, :a]
+        if fresh:
+            for x in (k_past, v_past):
+                torch._dynamo.maybe_mark_dynamic(x, 1)
+            if T > 1:
+                for x, d in ((h, 0), (next_tokens, 0), (pos, 0), (mask, 0), (mask, 1)):
+                    torch._dynamo.maybe_mark_dynamic(x, d)
+        scale = self._inv_t.get((inv_t, h.dtype))
+        if scale is None:
+            scale = torch.tensor(inv_t, dtype=h.dtype)
+            if len(self._inv_t) < 64:  # requests' temperatures are few; do not grow unbounded
+                self._inv_t[(inv_t, h.dtype)] = scale
+        tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(
+            h, next_tokens, pos, k_past, v_past, mask, scale)
+        if fresh:
+            self._ready.add(shape)
+        st.k[:, a:a + T] = k_new
+        st.v[:, a:a + T] = v_new
+        st.rows, st.root = a + T, root
+        return tokens, parents
+
+
+# The target's options, and C++ in place of the Python wrapper around the graph's kernels:
+# a draft step is many small kernels (a 6-level chain: ~90), and the wrapper's per-kernel
+# Python was a quarter of its time (one thread, 100 committed rows, the same process: a
+# 6-level chain 588 -> 437 us, the 3/3/8 tree 442 -> 355 us). For the target's passes it
+# made no clear difference (micro.compiled.OPTIONS).
+DRAFT_OPTIONS = {**OPTIONS, "cpp_wrapper": True}
+
+# per compiled target (its CompiledPasses), per head file: built once in a process, whichever
+# request or drafter state comes (a graph's weights are those of the first load)
+_COMPILED_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top_k: int,
+                     keep: int):
+    """The draft step's function: ``Eagle.propose``'s catch-up, tree and rerank, with the
+    same arithmetic (tests compare the two)."""
+    from micro.compiled import attend_layer, layer_weights
+
+    model = L.model
+    norm = model.norm
+    cos_t, sin_t = model.rope_cos, model.rope_sin
+    w = layer_weights(L.head.layer, wt, "")
+    tok_proj, tok_proj_draft = L.tok_proj, L.tok_proj_draft
+    w_feat_t, w_draft_t, vocab = L.w_feat_t, L.w_draft_t, L.head.draft_vocab
+    N = w_draft_t.shape[1]
+    k1 = min(top_k, N)
+    # a chain's node feeds both its draft head and the next level's fc: one product for both
+    # (each output column is its own in-order sum: the same numbers as two products)
+    w_next = torch.cat([w_draft_t, w_feat_t], dim=1) if k1 == 1 else None
+    sizes = [k1] + [k1 * k1] * (depth - 1)  # nodes generated per level
+    total = sum(sizes)
+    keep = min(keep, total)
+    penalty = torch.cat([torch.full((k,), 1e-9 * d, dtype=torch.float64)
+                         for d, k in enumerate(sizes)])
+    dtype = w_draft_t.dtype
+    neg_inf = float("-inf")
+
+    def catch_up(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor,
+                 v_past: Tensor, mask: Tensor | None):
+        """Rows (token_{t+1}, f_t) for the T new committed positions."""
+        f = F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps)
+        x = tok_proj[next_tokens] + mm(f, w_feat_t)
+        cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]
+        return attend_layer(x, cos, sin, k_past, v_past, mask, w, mm)
+
+    def chain(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
+              mask: Tensor | None, inv_t: Tensor):
+        """top_k = 1: each level's one node is its parent's argmax (the temperature does
+        not move an argmax), and the kept nodes are the chain's first ``keep``."""
+        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
+        T = h.shape[0]
+        root = out[-1:]
+        y = mm(root, w_next)  # the root's draft logits and the next level's feature half
+        idx = y[:, :N].argmax(-1)  # (1,)
+        tokens = [idx]
+        for level in range(2, keep + 1):
+            x = tok_proj_draft[idx] + y[:, N:]
+            at = pos[-1:] + (level - 1)
+            c, s = cos_t[at][:, None, None], sin_t[at][:, None, None]
+            # one row that sees every row before it: no mask
+            f_feat, k_l, v_l = attend_layer(x, c, s, k_past, v_past, None, w, mm, k_blk, v_blk)
+            k_blk, v_blk = torch.cat([k_blk, k_l], dim=1), torch.cat([v_blk, v_l], dim=1)
+            y = mm(f_feat, w_next if level < keep else w_draft_t)
+            idx = y[:, :N].argmax(-1)
+            tokens.append(idx)
+        parents = torch.arange(-1, keep - 1)
+        return vocab[torch.cat(tokens)], parents, root[0], k_blk[:, :T], v_blk[:, :T]
+
+    def core(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
+             mask: Tensor | None, inv_t: Tensor):
+        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
+        T = h.shape[0]
+        root = out[-1:]
+        # level 1: the root's top_k children, the first frontier
+        score, idx = (mm(root, w_draft_t) * inv_t).log_softmax(-1)[0].topk(k1)
+        tokens, scores, frontiers = [idx], [score], []
+        f_idx, f_score, f_feat = idx, score, root.expand(k1, -1)
+        f_nodes = torch.arange(k1)
+        anc = torch.zeros(k1, 0, dtype=torch.bool)
+        eye = torch.eye(k1, dtype=torch.bool)
+        done, used = k1, 0
+        for level in range(2, depth + 1):
+            x = tok_proj_draft[f_idx] + mm(f_feat, w_feat_t)
+            at = pos[-1:] + (level - 1)  # the frontier's position
+            c, s = cos_t[at][:, None, None], sin_t[at][:, None, None]
+            allowed = torch.cat([torch.ones(k1, T, dtype=torch.bool), anc, eye], dim=1)
+            m = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, neg_inf)
+            out, k_l, v_l = attend_layer(x, c, s, k_past, v_past, m, w, mm, k_blk, v_blk)
+            k_blk, v_blk = torch.cat([k_blk, k_l], dim=1), torch.cat([v_blk, v_l], dim=1)
+            c_score, c_idx = (mm(out, w_draft_t) * inv_t).log_softmax(-1).topk(k1, dim=-1)
+            cum = (f_score[:, None] + c_score).flatten()
+            c_idx = c_idx.flatten()
+            tokens.append(c_idx)
+            scores.append(cum)
+            frontiers.append(f_nodes)
+            if level < depth:
+                best = cum.topk(k1).indices
+                row = best // k1
+                f_nodes, f_idx, f_score, f_feat = done + best, c_idx[best], cum[best], out[row]
+                anc = torch.cat([anc, eye], dim=1)[row]
+            done += k1 * k1
+            used += k1
+        # rerank: the best ``keep`` nodes, in level order, parents re-indexed
+        if keep >= total:
+            sel = torch.arange(total)
+        else:
+            sel = (torch.cat(scores).double() - penalty).topk(keep).indices.sort().values
+        kids = [fr.repeat_interleave(k1) for fr in frontiers]
+        parents = torch.cat([torch.full((k1,), total, dtype=torch.long), *kids])[sel]
+        new_index = torch.full((total + 1,), -1, dtype=torch.long)
+        new_index = new_index.index_put((sel,), torch.arange(keep))
+        return vocab[torch.cat(tokens)[sel]], new_index[parents], root[0], k_blk[:, :T], v_blk[:, :T]
+
+    return chain if k1 == 1 else core
 
 
 # -- measurement ------------------------------------------------------------------------------

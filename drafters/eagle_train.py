@@ -1,6 +1,7 @@
 """``nodraft train eagle``: train the EAGLE head of a checkpoint (``drafters.eagle``).
 
     nodraft train eagle --model micro [--minutes 20 | --steps N] [--ttt-steps 2] [--threads 1]
+                        [--init micro --self-distill 0.5]
 
 The target is frozen. Each step takes rows of ``--seq-len`` + 1 train-split tokens
 (``micro.data.RowSampler``, ``--copy-frac`` of them copy rows, as micro itself was trained),
@@ -16,6 +17,15 @@ trains the head on every position at once:
                                 + w · CE(f^ · E_N^T, softmax(f_{t+1} · E_N^T)) ]
 
 with w = ``--ce-weight`` (EAGLE's 0.1 by default).
+
+``--self-distill F`` makes a share F of every batch the target's own greedy continuations
+of train-split prompts (16-128 tokens, continued to ``--seq-len`` + 1; ``--distill-rows``
+rows generated once before training, batched, ``drafters.eagle.greedy_continue``): at run
+time the head drafts on the target's greedy output, which for a small model loops and
+repeats in ways natural text does not. ``--init MODEL`` goes on from a trained head (its
+weights and draft vocabulary; the record nests that head's record as ``init``). The
+committed heads: a first stage on natural text, then ``--init <model> --self-distill 0.5
+--lr 3e-3`` (drafters/eagle.py, "Files").
 
 E_N is the target's tied embedding restricted to the draft vocabulary: the ``--draft-vocab``
 most frequent train-split tokens (both distributions over those N tokens; the target's is
@@ -33,7 +43,8 @@ Choices measured on micro (held-out top-1 at depths 1..5, 3-minute runs, 1 threa
   no gain at depth 1, a little lost deeper. Default EAGLE's 0.1.
 
 At the end: the held-out split's top-1 accuracy by position (``evaluate_head``: drafting
-greedily with its own features, against the target's greedy tokens), the wall time of one
+greedily with its own features, against the target's greedy tokens), the same on the
+target's greedy continuations of held-out prompts (``heldout_greedy``), the wall time of one
 draft step with the reduced and with the full vocabulary, and the weights with their
 record in ``<checkpoints>/<model>-eagle.safetensors`` / ``.json``. Progress goes to a tqdm
 bar and to ``<out>/<model>-eagle.log``.
@@ -53,7 +64,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafters.eagle import (EagleHead, Eagle, evaluate_head, save_head, target_features,
+from drafters.eagle import (GREEDY_PROMPT, EagleHead, Eagle, evaluate_head, greedy_continue,
+                            greedy_rows, load_head_state, save_head, target_features,
                             time_draft_step, unroll)
 from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from micro.data import RowSampler, token_stream
@@ -65,6 +77,26 @@ def draft_vocabulary(stream: np.ndarray, n: int, vocab_size: int) -> torch.Tenso
     counts = np.bincount(stream, minlength=vocab_size)
     order = np.lexsort((np.arange(vocab_size), -counts))
     return torch.from_numpy(order[:n].astype(np.int64))
+
+
+def self_distill_rows(model, stream: np.ndarray, n_rows: int, seq_len: int, seed: int,
+                      say=print, batch: int = 128) -> torch.Tensor:
+    """``n_rows`` rows of seq_len + 1 tokens: a train-split prompt of 16-128 tokens (a
+    random length per batch) and the target's greedy continuation of it -- the text the
+    head drafts at run time, where the target's own greedy output is what it must guess
+    (for micro, often a loop the natural text never shows)."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    ids = torch.from_numpy(stream.astype(np.int64))
+    rows = []
+    t0 = time.time()
+    for b in range(0, n_rows, batch):
+        B = min(batch, n_rows - b)
+        P = int(torch.randint(16, 129, (1,), generator=gen))
+        starts = torch.randint(0, len(ids) - P, (B,), generator=gen)
+        prompts = torch.stack([ids[s:s + P] for s in starts.tolist()])
+        rows.append(greedy_continue(model, prompts, seq_len + 1 - P))
+        say(f"self-distillation rows: {b + B}/{n_rows} ({time.time() - t0:.0f} s)")
+    return torch.cat(rows)
 
 
 def head_loss(head: EagleHead, model, x: torch.Tensor, ttt_steps: int, noise: float,
@@ -112,12 +144,27 @@ def train(args: argparse.Namespace, command: str) -> dict:
     tok = load_tokenizer(local_tok if local_tok.exists() else None)
     train_ids = token_stream(tok, "train")
     config = model.config
-    vocab = draft_vocabulary(train_ids, args.draft_vocab, config.vocab_size)
-    head = EagleHead(config, vocab)
+    init_record = None
+    if args.init:  # go on from a trained head (its draft vocabulary too)
+        init_config, init_state = load_head_state(Path(args.init_from or checkpoints), args.init)
+        head = EagleHead.from_state(init_config, init_state).requires_grad_(True)
+        vocab = head.draft_vocab
+        init_path = Path(args.init_from or checkpoints) / f"{args.init}-eagle.json"
+        if init_path.exists():
+            init_record = json.loads(init_path.read_text())
+    else:
+        vocab = draft_vocabulary(train_ids, args.draft_vocab, config.vocab_size)
+        head = EagleHead(config, vocab)
     head.train()
     w_draft = model.tok_embeddings.weight[vocab].detach()
     sampler = RowSampler(train_ids, args.seq_len, args.copy_frac, random_frac=args.random_frac,
                          vocab=(len(tok.special_ids), config.vocab_size), seed=args.seed)
+    pool = None
+    n_distill = round(args.batch_size * args.self_distill)
+    if n_distill:
+        t_pool = time.time()
+        pool = self_distill_rows(model, train_ids, args.distill_rows, args.seq_len, args.seed, say)
+        pool_minutes = (time.time() - t_pool) / 60
     params = list(head.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     say(f"command: {command}")
@@ -138,7 +185,10 @@ def train(args: argparse.Namespace, command: str) -> dict:
         lr = lr_at(progress, args.lr)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = sampler.batch(args.batch_size)
+        x = sampler.batch(args.batch_size - n_distill)
+        if n_distill:
+            pick = torch.randint(0, len(pool), (n_distill,), generator=sampler.gen)
+            x = torch.cat([x, pool[pick]])
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss, agree = head_loss(head, model, x, args.ttt_steps, args.noise, w_draft,
                                     args.ce_weight)
@@ -162,6 +212,11 @@ def train(args: argparse.Namespace, command: str) -> dict:
     heldout = evaluate_head(model, state, token_stream(tok, "heldout"), depth=args.eval_depth,
                             windows=args.eval_windows)
     say(f"held-out: {json.dumps(heldout)}")
+    own = evaluate_head(model, state, None, depth=args.eval_depth,
+                        rows=greedy_rows(model, token_stream(tok, "heldout"),
+                                         windows=args.eval_windows, prompt_len=GREEDY_PROMPT),
+                        first=GREEDY_PROMPT - 2)
+    say(f"held-out prompts, the target's greedy continuations: {json.dumps(own)}")
     prompt = token_stream(tok, "heldout")[1000:1064].tolist()
     timing = time_draft_step(model, state, prompt, Eagle.Params(), args.timing_repeats)
     say(f"draft step: {json.dumps(timing)}")
@@ -172,9 +227,13 @@ def train(args: argparse.Namespace, command: str) -> dict:
         "draft_vocab": args.draft_vocab, "ttt_steps": args.ttt_steps, "noise": args.noise,
         "ce_weight": args.ce_weight,
         "copy_frac": args.copy_frac, "random_frac": args.random_frac,
+        "self_distill": args.self_distill,
+        "distill_rows": args.distill_rows if n_distill else 0,
+        "distill_minutes": round(pool_minutes, 1) if n_distill else 0.0,
+        "init": init_record,
         "threads": torch.get_num_threads(),
         "features": "final-normed hidden state (model.norm of the last layer's output)",
-        "heldout": heldout, "draft_step": timing, "history": history,
+        "heldout": heldout, "heldout_greedy": own, "draft_step": timing, "history": history,
     }
     save_head(head, args.model, Path(args.save_to or checkpoints), record)
     say(json.dumps({k: v for k, v in record.items() if k != "history"}))
@@ -202,6 +261,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-frac", type=float, default=0.5, help="share of copy rows")
     p.add_argument("--random-frac", type=float, default=0.25,
                    help="share of copy rows whose passage is random tokens")
+    p.add_argument("--self-distill", type=float, default=0.0,
+                   help="share of each batch's rows that are the target's own greedy "
+                        "continuations of train-split prompts (self-distillation)")
+    p.add_argument("--distill-rows", type=int, default=2048,
+                   help="greedy rows generated once, before training, for --self-distill")
+    p.add_argument("--init", default=None,
+                   help="go on from this model's trained head (e.g. micro), its draft "
+                        "vocabulary included")
+    p.add_argument("--init-from", default=None,
+                   help="where --init's head is (default: --checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-depth", type=int, default=5, help="held-out accuracy up to this depth")
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of 256 tokens")
@@ -220,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.draft_vocab < 1 or args.ttt_steps < 1:
         p.error("--draft-vocab and --ttt-steps must be at least 1")
+    if not 0.0 <= args.self_distill <= 1.0 or args.distill_rows < 1:
+        p.error("--self-distill must be in [0, 1] and --distill-rows at least 1")
     record = train(args, " ".join(["nodraft train eagle", *argv]))
     print(json.dumps({k: v for k, v in record.items() if k != "history"}, indent=1))
 

@@ -3,7 +3,9 @@ drafters beside it, their held-out accuracy by position.
 
 - ``medusa``: top-1 (and top-k) accuracy of head i against the held-out token i + 2 ahead;
 - ``eagle``: top-1 accuracy at draft depth d against the target's own greedy token, the
-  head drafting with its own predicted features as at run time.
+  head drafting with its own predicted features as at run time -- on held-out text, and on
+  the target's greedy continuations of held-out prompts (``on_greedy``: the path drafted
+  is then the one met at run time).
 
 It lives in ``drafters`` (not ``micro``) because the imports go one way, micro <- drafters.
 """
@@ -40,6 +42,9 @@ def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None 
         if epath.exists():
             _, state = eagle.load_head_state(directory, name)
             entry["eagle"] = eagle.evaluate_head(model, state, heldout)
+            rows = eagle.greedy_rows(model, heldout, prompt_len=eagle.GREEDY_PROMPT)
+            entry["eagle"]["on_greedy"] = eagle.evaluate_head(model, state, None, rows=rows,
+                                                              first=eagle.GREEDY_PROMPT - 2)
         out[name] = entry
     return out
 
@@ -73,3 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{c['name']} eagle head, held-out top-1 by depth (given the path so far): "
                   + " / ".join(f"{a:.1%}" for a in e["top1_by_position"])
                   + f"; draft vocabulary {e['draft_vocab']} covers {e['vocab_coverage']:.1%}")
+            g = e["on_greedy"]
+            print(f"{c['name']} eagle head, on the target's greedy continuations of held-out "
+                  "prompts (the run-time path): top-1 by depth "
+                  + " / ".join(f"{a:.1%}" for a in g["top1_by_position"]))

@@ -199,58 +199,79 @@ def transposed_weights(model) -> dict[str, Tensor]:
     return out
 
 
+def layer_weights(layer, wt: dict[str, Tensor], prefix: str) -> tuple:
+    """One micro ``Block``'s weights as ``attend_layer`` reads them: its two norms, then its
+    (in, out) matrices (wqkv, wo, w13, w2) from ``wt`` under ``prefix`` (e.g. ``"2."``)."""
+    names = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
+    return (layer.attention_norm, layer.ffn_norm) + tuple(wt[f"{prefix}{n}.weight"] for n in names)
+
+
+def attend_layer(h: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Tensor,
+                 mask: Tensor | None, w: tuple, mm, k_prev: Tensor | None = None,
+                 v_prev: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoder layer over a block h (T, dim) at rotations cos, sin (T, 1, 1, D): the
+    block sees the cached rows k_past, v_past (H, n, D) whole, and under the additive
+    ``mask`` (T, T' + T) the rows of ``k_prev``/``v_prev`` (H, T', D; earlier blocks of the
+    same graph, e.g. a draft tree's levels) and itself. ``mask`` None: one row, no
+    ``k_prev``. Returns the block's residual stream and its keys and values (H, T, D)."""
+    an, fn, wqkv, wo, w13, w2 = w
+    T = h.shape[0]
+    H, D = k_past.shape[0], k_past.shape[-1]
+    F2 = w2.shape[0]
+    scale = 1.0 / math.sqrt(D)
+    x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
+    qkv = mm(x, wqkv).view(T, 3, H, D)
+    qk = apply_rope(qkv[:, :2], cos, sin)
+    q = qk[:, 0].transpose(0, 1)  # (H, T, D)
+    k = qk[:, 1].transpose(0, 1)
+    v = qkv[:, 2].transpose(0, 1)
+    kb = k if k_prev is None else torch.cat([k_prev, k], dim=1)
+    vb = v if v_prev is None else torch.cat([v_prev, v], dim=1)
+    s_past = torch.matmul(q, k_past.transpose(-1, -2)) * scale  # (H, T, n)
+    if mask is None:  # one row
+        s_self = torch.matmul(q, kb.transpose(-1, -2)) * scale
+    else:  # (H, T, T' + T) as a broadcast product: a fused loop, not a bmm call
+        s_self = (q[:, :, None, :] * kb[:, None, :, :]).sum(-1) * scale + mask
+    p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
+    n = s_past.shape[-1]
+    y = torch.matmul(p[..., :n], v_past)  # (H, T, D)
+    if mask is None:
+        y = y + torch.matmul(p[..., n:], vb)
+    else:
+        y = y + (p[..., n:, None] * vb[:, None, :, :]).sum(-2)
+    h = h + mm(y.transpose(0, 1).reshape(T, H * D), wo)
+    gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(F2, dim=-1)
+    return h + mm(F.silu(gate) * up, w2), k, v
+
+
+def named_code(fn, name: str):
+    """``fn`` as a function with a code object of its own, named ``name``: dynamo keeps its
+    graphs (and checks their guards, in turn, on every call) per code object, so each
+    family gets a short list of its own."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                              fn.__closure__)
+
+
 def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor], mm):
     """The graph's function; its products are ``mm(x, w)`` (micro.gemm) over ``wt``
     (``transposed_weights``)."""
-    c = model.config
-    H, D, F2 = c.n_heads, c.head_dim, c.ffn_dim
-    scale = 1.0 / math.sqrt(D)
     cos_t, sin_t = model.rope_cos, model.rope_sin
-    layers = [model.layers[i] for i in range(lo, hi)]
-    # per layer: (wqkv, wo, w13, w2), each as its (in, out) copy
-    names = ("attention.wqkv", "attention.wo", "feed_forward.w13", "feed_forward.w2")
-    mats = [tuple(wt[f"{i}.{n}.weight"] for n in names) for i in range(lo, hi)]
+    weights = [layer_weights(model.layers[i], wt, f"{i}.") for i in range(lo, hi)]
     head_wt = wt["head"]
     norm = model.norm
 
     def core(h: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor, mask: Tensor | None):
         # h (T, dim); pos (T,); k_past, v_past (layers, H, n, D); mask (T, T) additive
-        T = h.shape[0]
-        cos, sin = cos_t[pos][:, None], sin_t[pos][:, None]  # (T, 1, D)
+        cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]  # (T, 1, 1, D)
         ks, vs = [], []
-        for j, layer in enumerate(layers):
-            an, fn = layer.attention_norm, layer.ffn_norm
-            wqkv, wo, w13, w2 = mats[j]
-            x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
-            qkv = mm(x, wqkv).view(T, 3, H, D)
-            qk = apply_rope(qkv[:, :2], cos[:, None], sin[:, None])
-            q = qk[:, 0].transpose(0, 1)  # (H, T, D)
-            k = qk[:, 1].transpose(0, 1)
-            v = qkv[:, 2].transpose(0, 1)
+        for j, w in enumerate(weights):
+            h, k, v = attend_layer(h, cos, sin, k_past[j], v_past[j], mask, w, mm)
             ks.append(k)
             vs.append(v)
-            s_past = torch.matmul(q, k_past[j].transpose(-1, -2)) * scale  # (H, T, n)
-            if mask is None:  # one row
-                s_self = torch.matmul(q, k.transpose(-1, -2)) * scale
-            else:  # (H, T, T) as a broadcast product: a fused loop, not a bmm call
-                s_self = (q[:, :, None, :] * k[:, None, :, :]).sum(-1) * scale + mask
-            p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
-            n = s_past.shape[-1]
-            y = torch.matmul(p[..., :n], v_past[j])  # (H, T, D)
-            if mask is None:
-                y = y + torch.matmul(p[..., n:], v)
-            else:
-                y = y + (p[..., n:, None] * v[:, None, :, :]).sum(-2)
-            h = h + mm(y.transpose(0, 1).reshape(T, H * D), wo)
-            gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(F2, dim=-1)
-            h = h + mm(F.silu(gate) * up, w2)
         logits = None
         if head:
             logits = mm(F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps), head_wt)
         return h, logits, torch.stack(ks), torch.stack(vs)
 
-    # a code object of its own: dynamo keeps its graphs (and checks their guards, in turn,
-    # on every call) per code object, so each layer range gets a short list of its own
-    code = core.__code__.replace(co_name=f"micro_layers_{lo}_{hi}{'_head' if head else ''}")
-    return types.FunctionType(code, core.__globals__, code.co_name, core.__defaults__,
-                              core.__closure__)
+    return named_code(core, f"micro_layers_{lo}_{hi}{'_head' if head else ''}")

@@ -26,6 +26,7 @@ compiler. Packed passes stay eager.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -43,6 +44,8 @@ from server.scheduler import DraftScheduler, SeqDraftState
 from server.sequence import Sequence, StepResult
 from server.stats import SpecStats
 from server.verify import SamplingParams
+
+log = logging.getLogger("nodraft.server")
 
 
 PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being prefilled
@@ -183,6 +186,34 @@ class Engine:
                 model.compiled = None
                 self.compiled_error = f"{name}: {type(e).__name__}: {e}"
             del scratch
+            if model.compiled is not None:
+                self._warm_up_drafters(name, model)
+
+    def _warm_up_drafters(self, name: str, model: Micro) -> None:
+        """Drafters with compiled graphs of their own (a ``warm_up(cache)`` method: EAGLE's
+        draft step) compile them for their default parameters, after the target's graphs;
+        other parameters compile at first use in lazy mode only, else draft eager. A
+        drafter that cannot be built for this model (no trained weights) is skipped; one
+        whose graphs fail to compile drafts eager, which the log says."""
+        for method in self.registry.names():
+            if self._stop:
+                return
+            try:
+                cls = self.registry.drafter_class(method)
+                if not hasattr(cls, "warm_up"):
+                    continue
+                env = DrafterEnv(name, model, self.shared.setdefault((method, name), {}))
+                if self.checkpoint_dir is not None:
+                    env.checkpoint_dir = self.checkpoint_dir
+                _, params = self.registry.parse(method)
+                drafter = self.registry.build(method, params, env)
+            except Exception:  # not available for this model: nothing to compile
+                continue
+            try:
+                drafter.warm_up(self.caches[name])
+            except Exception as e:
+                log.warning("nodraft: %s's draft graphs for %s did not compile (%s: %s); it "
+                            "drafts eager", method, name, type(e).__name__, e)
 
     def submit(self, request: GenerationRequest, callback: Callable[[Event], None]) -> Handle:
         with self._cv:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafters.auto import Auto, _Estimate, expected_tokens
+from drafters.auto import MAX_ALPHA, Auto, _Estimate
 from drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
 from tests.engine.helpers import generate, drafter_env
@@ -11,9 +11,37 @@ from tests.engine.helpers import generate, drafter_env
 MODEL = tiny_model()
 
 
-def test_expected_tokens_is_the_geometric_sum():
-    assert expected_tokens(0.5, 0) == pytest.approx(1.0)
-    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+def test_expected_tokens_under_a_uniform_belief():
+    # Beta(1, 1): E[alpha**j] = 1 / (j + 1), so a step of k drafts expects H(k + 1) tokens
+    tokens = _Estimate(1.0, 1.0).tokens(5)
+    assert tokens == pytest.approx([sum(1 / i for i in range(1, k + 2)) for k in range(6)])
+
+
+def test_expected_tokens_match_the_beta_posterior():
+    # E[1 + alpha + ... + alpha**k] for alpha ~ Beta(a, r), by sampling
+    torch.manual_seed(0)
+    for a, r in ((3.0, 1.5), (0.7, 2.2), (12.0, 2.0)):
+        x = torch.distributions.Beta(torch.tensor(a, dtype=torch.float64),
+                                     torch.tensor(r, dtype=torch.float64)).sample((400_000,))
+        want = [float(sum((x ** j).mean() for j in range(k + 1))) for k in range(9)]
+        assert _Estimate(a, r).tokens(8) == pytest.approx(want, rel=5e-3)
+
+
+def test_expected_tokens_tend_to_the_geometric_sum_as_the_counts_grow():
+    for mean in (0.3, 0.6, 0.9):
+        est = _Estimate(mean * 1e6, (1 - mean) * 1e6)
+        assert est.tokens(6) == pytest.approx([sum(mean ** j for j in range(k + 1))
+                                               for k in range(7)], rel=1e-4)
+    # never more sure than MAX_ALPHA, however long the run of acceptances
+    sure = _Estimate(1e6, 0.0).tokens(6)
+    assert sure == pytest.approx([sum(MAX_ALPHA ** j for j in range(k + 1)) for k in range(7)],
+                                 rel=1e-4)
+
+
+def test_a_wide_belief_expects_more_of_long_drafts_than_its_mean():
+    wide, narrow = _Estimate(1.0, 1.0), _Estimate(100.0, 100.0)  # both mean 0.5
+    assert wide.tokens(16)[16] > narrow.tokens(16)[16] + 1.0
+
 
 
 def test_auto_drafts_from_a_match_and_says_which_drafter_proposed():
@@ -104,9 +132,10 @@ def test_auto_trims_a_chain_where_one_more_token_stops_paying():
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL))
     auto.cost = PassCost({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: 2.0, 17: 4.0})
-    for alpha, n in ((0.5, 16), (0.9, 16), (0.97, 16), (0.9, 3)):
-        g, k = auto._best_length(alpha, n)
-        brute = max((expected_tokens(alpha, j) / auto.cost(j + 1), -j) for j in range(1, n + 1))
+    for a, r, n in ((1, 1, 16), (9, 1, 16), (97, 3, 16), (9, 1, 3), (2, 6, 16)):
+        est = _Estimate(a, r)
+        g, k = auto._best_length(est, n)
+        brute = max((est.tokens(j)[j] / auto.cost(j + 1), -j) for j in range(1, n + 1))
         assert (g, k) == (pytest.approx(brute[0]), -brute[1])
 
 

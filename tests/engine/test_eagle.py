@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
 from drafters.base import DraftContext
-from drafters.eagle import Eagle, evaluate_head, features, load_head_state, unroll, write_untrained
+from drafters.eagle import (Eagle, evaluate_head, features, greedy_continue, load_head_state,
+                            unroll, write_untrained)
 from drafters.registry import DrafterEnv, SpeculationError
 from micro.model import KVCache
 from tests.conftest import TINY, tiny_model
@@ -248,3 +250,116 @@ def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
     drafter = Eagle(Eagle.Params(), DrafterEnv("micro", model, {}, checkpoint_dir=tmp_path))
     got, seq, _ = generate(model, prompt, 16, drafter=drafter, dtype=torch.float32)
     assert got == want and seq.stats.drafter_errors == 0
+
+
+@pytest.fixture(scope="module")
+def compiled_env(env) -> DrafterEnv:
+    """The same model and head, with compiled passes (lazy): EAGLE drafts through its
+    compiled draft step (``drafters.eagle.CompiledDraft``)."""
+    return DrafterEnv("tiny", copy.deepcopy(MODEL).compile(), {}, checkpoint_dir=env.checkpoint_dir)
+
+
+@pytest.mark.parametrize("params", [Eagle.Params(), Eagle.Params(depth=6, top_k=1, total_tokens=7),
+                                    Eagle.Params(depth=4, top_k=2, total_tokens=6)])
+def test_the_compiled_draft_step_is_the_eager_one(env, compiled_env, params):
+    """Step after step -- catch-ups of one row and of several, trees and chains -- the
+    compiled draft step proposes the eager drafter's tree, and keeps the same draft cache."""
+    prompt = [7, 1, 30, 22, 5, 5, 61, 40, 9]
+    eager, compiled = Eagle(params, env), Eagle(params, compiled_env)
+    ctx_e, ctx_c = prefilled(prompt), prefilled(prompt)
+    ctx_c.model = compiled_env.model
+    gen = torch.Generator().manual_seed(1)
+    for step in range(8):
+        de, dc = eager.propose(ctx_e, 64), compiled.propose(ctx_c, 64)
+        assert as_lists(dc) == as_lists(de), step
+        assert dc.cost == de.cost
+        st_e, st_c = ctx_e.state["eagle"], ctx_c.state["eagle"]
+        assert st_c.rows == st_e.rows
+        torch.testing.assert_close(st_c.k[:, :st_c.rows], st_e.k[:, :st_e.rows])
+        tokens, parents = as_lists(de)
+        kids = [i for i, pa in enumerate(parents) if pa == 0]  # node 0's children
+        accepted = [] if step % 2 == 0 else [tokens[0]] + [tokens[i] for i in kids[:1]]
+        bonus = int(torch.randint(0, TINY.vocab_size, (1,), generator=gen))
+        for ctx, drafter in ((ctx_e, eager), (ctx_c, compiled)):
+            commit(ctx, accepted, bonus)
+            drafter.observe(ctx, accepted)
+    cd = compiled._compiled_draft(compiled_env.model)
+    assert {(s[3]) for s in cd._ready} == {False, True}  # both catch-up graphs ran
+
+
+def test_the_compiled_draft_keeps_its_first_nodes_near_the_end(env, compiled_env):
+    params = Eagle.Params(depth=4, top_k=2, total_tokens=8)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    drafts = []
+    for budget in (64, 3, 1):
+        ctx = prefilled(prompt)
+        ctx.model = compiled_env.model
+        drafter = Eagle(params, compiled_env)
+        drafter.propose(ctx, 64)  # the prompt's catch-up (eager: no committed rows yet)
+        commit(ctx, [], 11)
+        drafts.append(as_lists(drafter.propose(ctx, budget)))
+    whole = drafts[0]
+    for (tokens, parents), budget in zip(drafts[1:], (3, 1)):
+        assert (tokens, parents) == (whole[0][:budget], whole[1][:budget])
+
+
+def test_the_server_warm_up_compiles_the_default_draft_step(env):
+    """``Engine.warm_up`` compiles EAGLE's default draft step after the target's graphs;
+    until then (not lazy) the drafter drafts eager."""
+    from drafters.eagle import _COMPILED_DRAFTS
+    from drafters.registry import Registry
+    from server.engine import Engine
+
+    model = copy.deepcopy(MODEL).compile(lazy=False)
+    model.compiled.warm_up = lambda cache, slot, early_exit=True: 0.0  # the target's: elsewhere
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=1)
+    engine.checkpoint_dir = env.checkpoint_dir
+    ctx = prefilled([7, 1, 30, 22, 5, 5, 61, 40, 9])
+    ctx.model = model
+    drafter = Eagle(Eagle.Params(), DrafterEnv("tiny", model, {}, checkpoint_dir=env.checkpoint_dir))
+    drafter.propose(ctx, 64)
+    commit(ctx, [], 3)
+    drafter.propose(ctx, 64)  # before the warm-up: eager, nothing compiled
+    assert model.compiled not in _COMPILED_DRAFTS or not drafter._compiled_draft(model)._ready
+    try:
+        engine.warm_up().join()
+        assert engine.compiled_ready
+        cd = _COMPILED_DRAFTS[model.compiled][env.checkpoint_dir / "tiny-eagle.safetensors"]
+        p = Eagle.Params()
+        assert {s[:4] for s in cd._ready} == {(p.depth, p.top_k, p.total_tokens - 1, False),
+                                             (p.depth, p.top_k, p.total_tokens - 1, True)}
+    finally:
+        engine.stop()
+
+
+def test_greedy_continue_is_the_targets_greedy_decoding():
+    prompts = torch.tensor([[3, 9, 27, 17, 51], [1, 2, 3, 4, 5]])
+    out = greedy_continue(MODEL, prompts, 12)
+    assert out.shape == (2, 17) and (out[:, :5] == prompts).all()
+    for b in range(2):
+        assert out[b, 5:].tolist() == generate(MODEL, prompts[b].tolist(), 12)[0]
+
+
+def test_self_distillation_goes_on_from_a_trained_head(checkpoint_dir, tmp_path):
+    from drafters.eagle_train import main
+
+    common = ["--model", "micro", "--batch-size", "2", "--seq-len", "64", "--eval-windows", "4",
+              "--eval-depth", "2", "--timing-repeats", "2", "--checkpoints", str(checkpoint_dir),
+              "--threads", "1"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    main(common + ["--steps", "2", "--save-to", str(first), "--out", str(first)])
+    main(common + ["--steps", "3", "--init", "micro", "--init-from", str(first),
+                   "--self-distill", "0.5", "--distill-rows", "3",
+                   "--save-to", str(second), "--out", str(second)])
+    record = json.loads((second / "micro-eagle.json").read_text())
+    assert record["steps"] == 3 and record["init"]["steps"] == 2
+    assert record["self_distill"] == 0.5 and record["distill_rows"] == 3
+    assert len(record["heldout_greedy"]["top1_by_position"]) == 2
+    _, before = load_head_state(first, "micro")
+    _, after = load_head_state(second, "micro")
+    assert torch.equal(before["draft_vocab"], after["draft_vocab"])  # its vocabulary kept
+    assert not torch.equal(before["fc.weight"], after["fc.weight"])  # and trained on
+    log = (second / "micro-eagle.log").read_text()
+    assert "self-distillation rows: 3/3" in log
+    with pytest.raises(SystemExit):
+        main(common + ["--self-distill", "1.5"])

@@ -37,6 +37,12 @@ def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoin
         assert compiled is not None and compiled._ready
         # warm-up readied full passes of one row and of several: none compiles later
         assert {f[3] for f in compiled._ready if f[:3] == (0, 4, True)} == {False, True}
+        # and EAGLE's default draft step, one-row and several-row catch-ups
+        from drafters.eagle import _COMPILED_DRAFTS, Eagle
+        p = Eagle.Params()
+        shapes = {s[:4] for cd in _COMPILED_DRAFTS.get(compiled, {}).values() for s in cd._ready}
+        assert shapes == {(p.depth, p.top_k, p.total_tokens - 1, False),
+                          (p.depth, p.top_k, p.total_tokens - 1, True)}
         # with nodraft's product wherever it builds (--gemm auto, the default)
         assert compiled.gemm == "auto"
         assert compiled.gemm_kind == ("nodraft" if gemm.load() else "torch")
