@@ -160,6 +160,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -593,10 +594,11 @@ class Eagle:
         compiled = model.compiled
         if compiled is None:
             return None
-        drafts = _COMPILED_DRAFTS.setdefault(compiled, {})
-        cd = drafts.get(self.loaded.path)
-        if cd is None:
-            cd = drafts[self.loaded.path] = CompiledDraft(self.loaded, compiled)
+        with _COMPILED_DRAFTS_LOCK:  # the engine's thread and the warm-up's: one object
+            drafts = _COMPILED_DRAFTS.setdefault(compiled, {})
+            cd = drafts.get(self.loaded.path)
+            if cd is None:
+                cd = drafts[self.loaded.path] = CompiledDraft(self.loaded, compiled)
         return cd
 
     def warm_up(self, cache) -> float:
@@ -796,6 +798,7 @@ DRAFT_OPTIONS = {**OPTIONS, "cpp_wrapper": True}
 # per compiled target (its CompiledPasses), per head file: built once in a process, whichever
 # request or drafter state comes (a graph's weights are those of the first load)
 _COMPILED_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILED_DRAFTS_LOCK = threading.Lock()
 
 
 def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top_k: int,

@@ -176,7 +176,7 @@ class Engine:
     def _compile_all(self) -> None:
         for name, model in self.models.items():
             compiled = model.compiled
-            if compiled is None or self._stop:
+            if compiled is None or self._stop or not self._accepting:  # stopping or draining
                 continue
             scratch = KVCache(model.config, self.caches[name].n_slots,
                               self.caches[name].max_len, self.caches[name].k.dtype)
@@ -196,7 +196,7 @@ class Engine:
         drafter that cannot be built for this model (no trained weights) is skipped; one
         whose graphs fail to compile drafts eager, which the log says."""
         for method in self.registry.names():
-            if self._stop:
+            if self._stop or not self._accepting:  # a draining server compiles no more
                 return
             try:
                 cls = self.registry.drafter_class(method)

@@ -15,7 +15,10 @@ from micro.model import KVCache
 from server.sequence import tree_attention_mask
 from tests.engine.helpers import all_configs, generate
 
-CONFIGS = all_configs()
+# every drafter and parameter set but EAGLE's 40-node tree, whose two draft graphs per model
+# are the slowest to compile here; compiled trees are held to eager ones on the tiny model
+# (tests/engine/test_eagle.py), and both EAGLE shapes kept here run compiled
+CONFIGS = [(m, p) for m, p in all_configs() if not (m == "eagle" and p.get("total_tokens") == 40)]
 
 
 @pytest.fixture(scope="module")

@@ -51,19 +51,24 @@ def server_process(serve_checkpoints):
 
 def test_sigterm_drains_in_flight_stream(server_process):
     proc, url = server_process
-    with httpx.Client(base_url=url, timeout=30) as client, \
-            client.stream("POST", "/v1/completions", json=stream_request(60, 0.03)) as r:
-        lines = r.iter_lines()
-        first = next(lines)
-        assert first.startswith("data: ")
-        proc.send_signal(signal.SIGTERM)
-        with httpx.Client(base_url=url, timeout=5) as other:
-            assert wait_for(lambda: other.get("/ready").status_code == 503)
-            assert other.get("/health").status_code == 200
-            refused = other.post("/v1/completions", json={"model": "micro", "prompt": "x"})
-            assert refused.status_code == 503
-            assert refused.json()["error"]["code"] == "shutting_down"
-        payloads = sse_payloads([first, *lines])
+    try:
+        with httpx.Client(base_url=url, timeout=30) as client, \
+                client.stream("POST", "/v1/completions", json=stream_request(60, 0.03)) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            with httpx.Client(base_url=url, timeout=5) as other:
+                assert wait_for(lambda: other.get("/ready").status_code == 503)
+                assert other.get("/health").status_code == 200
+                refused = other.post("/v1/completions", json={"model": "micro", "prompt": "x"})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "shutting_down"
+            payloads = sse_payloads([first, *lines])
+    except Exception as e:  # say what the server said (its log, its exit) with the failure
+        proc.kill()
+        out, _ = proc.communicate(timeout=30)
+        raise AssertionError(f"server exit {proc.returncode}, output:\n{out}") from e
     assert payloads[-1] == "[DONE]"
     assert "speculation" in payloads[-2]
     finish = [p["choices"][0]["finish_reason"] for p in payloads[:-2]
