@@ -714,7 +714,7 @@ class Eagle:
 class CompiledDraft:
     """A draft step -- the catch-up and the whole tree, rerank included -- as one
     ``torch.compile`` graph per tree shape (depth, top_k, kept nodes), for targets whose
-    passes are compiled (``Micro.compile``). Eager, a step of the default 3/3/8 tree is ~60
+    passes are compiled (``Micro.compile``). Eager, a step of the old default 3/3/8 tree is ~60
     small operations and took 1.47 ms of CPU time against 0.73 ms for the 8-row pass
     that verifies it; inductor fuses the norms, masks, rotations, softmaxes and top-k
     bookkeeping into a few loops around the layer's products (``micro.compiled.attend_layer``,
@@ -869,7 +869,7 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
         f_nodes = torch.arange(k1)
         anc = torch.zeros(k1, 0, dtype=torch.bool)
         eye = torch.eye(k1, dtype=torch.bool)
-        done, used = k1, 0
+        done = k1
         for level in range(2, depth + 1):
             x = tok_proj_draft[f_idx] + mm(f_feat, w_feat_t)
             at = pos[-1:] + (level - 1)  # the frontier's position
@@ -890,7 +890,6 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
                 f_nodes, f_idx, f_score, f_feat = done + best, c_idx[best], cum[best], out[row]
                 anc = torch.cat([anc, eye], dim=1)[row]
             done += k1 * k1
-            used += k1
         # rerank: the best ``keep`` nodes, in level order, parents re-indexed
         if keep >= total:
             sel = torch.arange(total)
