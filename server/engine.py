@@ -20,7 +20,8 @@ request's own draft length).
 Compiled passes (``Micro.compile``, micro/compiled.py) serve the single-sequence path once
 ``warm_up`` has compiled them; it runs in a thread of its own on a scratch cache of the
 engine cache's shape, so requests are served eagerly meanwhile and none waits on a
-compiler. Packed passes stay eager.
+compiler. Drafters with graphs of their own (EAGLE's draft step) compile theirs next, for
+their default parameters. A draining server compiles nothing more. Packed passes stay eager.
 """
 
 from __future__ import annotations
