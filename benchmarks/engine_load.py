@@ -31,7 +31,7 @@ import torch
 from clients.loadtest import PROMPTS
 from drafters.registry import Registry
 from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from server.engine import Engine, GenerationRequest
+from engine.core import Engine, GenerationRequest
 
 
 def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,

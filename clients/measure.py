@@ -25,8 +25,8 @@ from drafters.registry import DrafterEnv, Registry
 from micro.corpus import split_documents
 from micro.model import KVCache, Micro
 from micro.tokenizer import Tokenizer
-from server.sequence import Sequence
-from server.stats import SpecStats
+from engine.sequence import Sequence
+from engine.stats import SpecStats
 
 FRESH_FROM = ("functools", "def total_ordering(cls):")
 REPEAT_FROM = ("functools", "def _lt_from_gt(self, other):")

@@ -41,7 +41,7 @@ target accepts the whole path)::
 So a step costs ``depth`` forwards of the layer whatever ``top_k`` is. ``depth`` is also the
 tree's maximum depth (EAGLE-2's code counts one level more). Under sampling the tree is the
 same deterministic top-k tree (scored at the request's temperature) and travels with
-``q = None``: verification's sibling rule (``server.verify``) accepts child x with the
+``q = None``: verification's sibling rule (``engine.verify``) accepts child x with the
 target's p(x), zeroes it and renormalises on rejection -- lossless for any deterministic
 tree. (verify uses a draft distribution q only where a node has a single child, so a q per
 node would not be used where it matters; q = None is correct everywhere.)

@@ -2,7 +2,7 @@
 generates n-grams by Jacobi iteration in the same pass that verifies earlier ones.
 
 One target pass holds three parts (the block the engine builds is
-``[current, *verification branch, *lookahead branch]``, see ``server.sequence``):
+``[current, *verification branch, *lookahead branch]``, see ``engine.sequence``):
 
 - the **current token** c, at position n;
 - the **verification branch**: up to ``guesses`` (G) n-grams from the pool that start with

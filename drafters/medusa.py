@@ -41,7 +41,7 @@ cached (``build_tree``).
 Each step runs only the heads the (possibly truncated) tree reaches, takes their top-k
 tokens and reads each node's token off them. The proposal is deterministic (q = None):
 greedy verification keeps exactly plain greedy's output, and sampling verifies the tree
-with the sibling rule (``server.verify``), which keeps the target's distribution exactly.
+with the sibling rule (``engine.verify``), which keeps the target's distribution exactly.
 
 Draft cost model (FLOPs, in target-pass units, per verification pass): each head run
 costs its block and one application of the 4096-way LM head, against one token through

@@ -44,7 +44,7 @@ class SpeculationError(ValueError):
 @dataclass
 class DrafterEnv:
     model_name: str
-    model: Micro
+    model: Micro | None  # None only for ``Registry.check``, which the API runs without weights
     shared: dict = field(default_factory=dict)
     # where the target's checkpoint lives; trained drafters (Medusa, EAGLE) find their
     # weights beside it as ``<model_name>-<drafter>.safetensors``
@@ -70,6 +70,12 @@ class Registry:
         else:
             self._classes[name] = cls_or_target
             self._targets[name] = f"{cls_or_target.__module__}:{cls_or_target.__qualname__}"
+
+    def targets(self) -> dict[str, str]:
+        """Every method's ``module:attribute`` (plugins and registered classes included):
+        ``Registry(builtin=targets, plugins=False)`` rebuilds this registry elsewhere, as
+        the engine process does."""
+        return dict(self._targets)
 
     def names(self) -> list[str]:
         return sorted(self._targets)
@@ -123,7 +129,9 @@ class Registry:
     def check(self, method: str, params: Any, env: DrafterEnv) -> None:
         """Cheap checks a drafter can make before it is built (``cls.check(params, env)``,
         optional): trained weights present, parameters within what was trained. Raises
-        SpeculationError, which the API turns into a 400 before the request is queued."""
+        SpeculationError, which the API turns into a 400 before the request is queued. The
+        API process holds no weights: ``env.model`` is None here, ``env.model_name`` and
+        ``env.checkpoint_dir`` say where to look."""
         check = getattr(self.drafter_class(method), "check", None)
         if check is not None:
             check(params, env)

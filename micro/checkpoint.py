@@ -36,13 +36,17 @@ def available_models(directory: Path = CHECKPOINT_DIR) -> list[str]:
     return [n for n in MODEL_NAMES if (directory / f"{n}.safetensors").exists()]
 
 
-def load_model(name: str, directory: Path = CHECKPOINT_DIR) -> Micro:
+def load_config(name: str, directory: Path = CHECKPOINT_DIR) -> MicroConfig:
+    """A checkpoint's config, from its metadata (the weights are not read)."""
     from safetensors import safe_open
 
+    with safe_open(str(directory / f"{name}.safetensors"), "pt") as f:
+        return MicroConfig(**json.loads(f.metadata()["config"]))
+
+
+def load_model(name: str, directory: Path = CHECKPOINT_DIR) -> Micro:
     path = directory / f"{name}.safetensors"
-    with safe_open(str(path), "pt") as f:
-        config = MicroConfig(**json.loads(f.metadata()["config"]))
-    model = Micro(config)
+    model = Micro(load_config(name, directory))
     model.load_state_dict(load_file(path))
     model.eval().requires_grad_(False)
     return model

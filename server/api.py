@@ -6,7 +6,7 @@ token (at most ``context - 1`` = 1023 prompt tokens for micro), and so does an e
 ``max_tokens``, completions generate up to 16 tokens and chat up to the room left, each
 clamped to the room left. Generation is never cut short silently.
 
-A temperature below ``server.verify.GREEDY_BELOW`` (1e-5, vLLM's threshold) decodes
+A temperature below ``engine.verify.GREEDY_BELOW`` (1e-5, vLLM's threshold) decodes
 greedily, and however small ``top_p`` is, the most likely token is kept (``SamplingParams``).
 
 An empty completion prompt starts from ``<|endoftext|>``, the document boundary micro was
@@ -28,12 +28,12 @@ from sse_starlette import EventSourceResponse
 
 from drafters.registry import DrafterEnv
 from server import chat
-from server.engine import EngineStopped, GenerationRequest
+from engine.core import EngineStopped, GenerationRequest
 from server.errors import APIError, error_body
 from server.generation import Delta, GenerationFailed, Run
 from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                              CompletionResponse, ErrorResponse, ModelCard, ModelList)
-from server.verify import SamplingParams
+from engine.verify import SamplingParams
 
 ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
 DISCONNECT_POLL_SECONDS = 0.25
@@ -41,19 +41,17 @@ DISCONNECT_POLL_SECONDS = 0.25
 router = APIRouter()
 
 
-@router.get("/health", summary="liveness: answers while generation runs")
-async def health(request: Request) -> dict:
+@router.get("/health", summary="liveness: answers while generation runs",
+            responses={503: {"model": ErrorResponse}})
+async def health(request: Request) -> Response:
     """``compiled``: ``off`` (eager only), ``warming`` (compiling in the background;
-    served eager meanwhile), ``ready``, or ``failed`` (served eager; the log says why)."""
-    service = request.app.state.service
-    engine = service.engine
-    if not service.settings.compile:
-        compiled = "off"
-    elif engine is not None and engine.compiled_error is not None:
-        compiled = "failed"
-    else:
-        compiled = "ready" if engine is not None and engine.compiled_ready else "warming"
-    return {"status": "ok", "compiled": compiled}
+    served eager meanwhile), ``ready``, or ``failed`` (served eager; the log says why).
+    503 once the engine process has died (the server is exiting)."""
+    client = request.app.state.service.client
+    if client is not None and not client.alive:
+        return JSONResponse(error_body(client.death, "service_unavailable", code="engine_dead"),
+                            status_code=503)
+    return JSONResponse({"status": "ok", "compiled": client.compiled if client else "warming"})
 
 
 @router.get("/ready", summary="readiness: models loaded and not draining",
@@ -127,7 +125,7 @@ def _start(request: Request, body: Any, prompts: list[list[int]], explicit: int 
     method, params = service.registry.parse(body.speculation, service.settings.speculation)
     request.state.speculation_method = method
     service.registry.check(method, params, DrafterEnv(
-        body.model, service.models[body.model], checkpoint_dir=service.checkpoint_dir))
+        body.model, None, checkpoint_dir=service.checkpoint_dir))
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true",
                        param="stream_options")
@@ -146,7 +144,7 @@ def _start(request: Request, body: Any, prompts: list[list[int]], explicit: int 
                                               params, stop_ids))
     if service.draining:
         raise EngineStopped("draining")
-    run = Run(service.engine, service.tokenizer, requests, body.stop or [])
+    run = Run(service.client, service.tokenizer, requests, body.stop or [])
     run.start()
     return run
 

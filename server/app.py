@@ -4,10 +4,14 @@
                   [--max-running N] [--max-waiting N] [--max-body-bytes N]
                   [--cors-origins A,B] [--checkpoints DIR] [--drain-seconds S] [--threads N]
 
-The lifespan loads the checkpoints in ``--checkpoints`` (micro and micro-layerskip), the
-tokenizer and the drafter registry into a ``Service`` on ``app.state.service``, and starts
-the engine thread, which alone runs the models. ``/`` serves the playground page (plain
-HTML/JS/CSS from ``server/static``, nothing from outside). Around the routes (``server.api``):
+The lifespan reads the checkpoints in ``--checkpoints`` (micro and micro-layerskip: their
+configs, not their weights), the tokenizer and the drafter registry into a ``Service`` on
+``app.state.service``, and starts the engine: by default a process of its own
+(``engine.client.MPClient``), which alone loads and runs the models; with
+``--engine-process false`` a thread of this process. On a machine with two or more cores
+``nodraft serve`` gives the engine process every core but the last and keeps the last for
+this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/CSS from
+``server/static``, nothing from outside). Around the routes (``server.api``):
 
 - ``--api-key``: ``/v1/*`` needs ``Authorization: Bearer KEY`` (else 401); ``/health``,
   ``/ready`` and ``/metrics`` stay open for probes and Prometheus.
@@ -16,8 +20,11 @@ HTML/JS/CSS from ``server/static``, nothing from outside). Around the routes (``
   in ``nodraft_requests_total{endpoint,method,status}``.
 - SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests answer 503, in-flight requests
   run to their end for up to ``--drain-seconds``, then whatever is left is cancelled (its
-  stream ends cleanly, finish reason ``cancelled``) and the process exits 0. A second
-  signal exits at once.
+  stream ends cleanly, finish reason ``cancelled``), the engine process is stopped and the
+  server exits 0. A second signal exits at once.
+- If the engine process dies, every request in flight ends at once with an error (an SSE
+  error event, or a 500 body), ``/health`` and ``/ready`` answer 503, and ``nodraft serve``
+  exits 1 so that its supervisor (Docker, Kubernetes, systemd) starts it again.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import sys
 import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI
@@ -42,11 +51,13 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from drafters.registry import Registry, SpeculationError
-from micro.checkpoint import available_models, load_model, load_tokenizer
+from engine.client import EngineClient, EventPump, InprocClient, MPClient
+from engine.core import EngineStopped, QueueFull
+from engine.process import EngineConfig
+from micro.checkpoint import available_models, load_config, load_tokenizer
+from micro.model import MicroConfig
 from server.api import router
-from server.engine import Engine, EngineStopped, QueueFull
 from server.errors import APIError, error_response, handle_exception
-from server.generation import EventPump
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -58,21 +69,29 @@ STATIC = Path(__file__).parent / "static"  # the playground page (issue 9)
 
 
 class Service:
-    """What the routes use: models, tokenizer, drafter registry, engine, metrics."""
+    """What the routes use: model configs, tokenizer, drafter registry, engine client,
+    metrics. The API process holds no weights: the engine (its own process by default)
+    loads them."""
 
     def __init__(self, settings: Settings, registry: Registry | None = None):
         self.settings = settings
         self.registry = registry or Registry()
         self.metrics = Metrics()
-        self.models: dict = {}
+        self.models: dict[str, MicroConfig] = {}
         self.created: dict[str, int] = {}
         self.tokenizer = None
-        self.engine: Engine | None = None
+        self.client: EngineClient | None = None
         self.context = 0
         self.draining = False
         self.checkpoint_dir = Path(self.settings.checkpoints)
+        self.on_fatal: Callable[[], None] | None = None  # the engine died: exit non-zero
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # decided before ``serve`` pins this process, which would change the answer
+        self.engine_threads = settings.engine_threads
+        self.engine_cores, self.api_cores = settings.cores()
 
-    def load(self) -> None:
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         directory = self.checkpoint_dir = Path(self.settings.checkpoints)
         names = available_models(directory)
         if not names:
@@ -80,58 +99,66 @@ class Service:
                                "micro-layerskip.safetensors): train them or pass --checkpoints")
         tokenizer_json = directory / "tokenizer.json"
         self.tokenizer = load_tokenizer(tokenizer_json if tokenizer_json.exists() else None)
-        self.models = {name: load_model(name, directory) for name in names}
+        self.models = {name: load_config(name, directory) for name in names}
         self.created = {name: int((directory / f"{name}.safetensors").stat().st_mtime)
                         for name in names}
-        self.context = min(m.config.max_positions for m in self.models.values())
+        self.context = min(c.max_positions for c in self.models.values())
         self.registry.parse(self.settings.speculation)  # a bad default fails at start-up
-        self.engine = Engine(self.models, self.registry, self.tokenizer.eot_id,
-                             self.settings.max_running, self.settings.max_waiting,
-                             observer=self.metrics, threads=self.settings.engine_threads)
-        self.engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
-        if self.settings.compile:
-            for model in self.models.values():
-                model.compile(lazy=False, gemm=self.settings.gemm)
-        self.engine.start()
-        if self.settings.compile:
-            log.info("nodraft: compiling the single-sequence passes in the background "
-                     "(served eager until then)")
-            self.engine.warm_up(self._compiled)
-        log.info("nodraft: serving %s from %s", ", ".join(names), directory)
+        config = EngineConfig(str(directory), self.registry.targets(),
+                              self.settings.max_running, self.settings.max_waiting,
+                              self.engine_threads, self.settings.compile,
+                              self.settings.gemm, self.engine_cores, self.settings.log_level)
+        kind = MPClient if self.settings.engine_process else InprocClient
+        self.client = kind(config, self.metrics)
+        self.client.on_death = self._engine_died
+        await self.client.start()
+        where = (f"an engine process (pid {self.client.pid})" if self.settings.engine_process
+                 else "an engine thread")
+        log.info("nodraft: serving %s from %s on %s", ", ".join(names), directory, where)
 
-    def _compiled(self, seconds: float) -> None:
-        if self.engine.compiled_error is None:
-            kinds = {m.compiled.gemm_kind for m in self.models.values() if m.compiled}
-            log.info("nodraft: compiled passes ready (%.0f s; products: %s)", seconds,
-                     ", ".join(sorted(k for k in kinds if k)))
-        else:
-            log.warning("nodraft: compiling failed, serving eager passes: %s",
-                        self.engine.compiled_error)
+    def _engine_died(self, reason: str) -> None:
+        log.error("nodraft: %s; every request in flight has failed, and the server exits "
+                  "so that it can be restarted", reason)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.draining
+        return self.client is not None and self.client.alive and not self.draining
 
     @property
     def status(self) -> str:
-        return "draining" if self.draining else "ready" if self.engine else "loading"
+        if self.client is not None and not self.client.alive:
+            return "engine_dead"
+        return "draining" if self.draining else "ready" if self.client else "loading"
 
-    def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float) -> bool:
         """Take no new requests; let in-flight ones finish for up to ``timeout`` s, then
-        cancel the rest. True if everything finished in time."""
+        cancel the rest (their streams end, ``cancelled``). True if everything finished."""
         self.draining = True
-        if self.engine is None:
+        if self.client is None:
             return True
-        finished = self.engine.drain(timeout)
+        finished = await self.client.drain(timeout)
         if not finished:
             log.warning("nodraft: drain timed out after %.1f s; cancelling the rest", timeout)
-            self.engine.stop()
+            await self.client.shutdown()
         return finished
 
-    def close(self) -> None:
+    def drain_from_thread(self, timeout: float) -> bool:
+        """``drain``, from a thread other than the event loop's (a signal's drainer)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            self.draining = True
+            return True
+        try:
+            return asyncio.run_coroutine_threadsafe(self.drain(timeout), loop).result()
+        except RuntimeError:  # the loop stopped under us: nothing left to drain
+            return True
+
+    async def close(self) -> None:
         self.draining = True
-        if self.engine is not None:
-            self.engine.stop()
+        if self.client is not None:
+            await self.client.shutdown()
 
 
 class ApiKeyAuth:
@@ -229,9 +256,9 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     async def lifespan(app: FastAPI):
         EventPump.for_loop(asyncio.get_running_loop()).interval = \
             settings.stream_interval_ms / 1000
-        await asyncio.to_thread(service.load)
+        await service.start()
         yield
-        await asyncio.to_thread(service.close)
+        await service.close()
 
     app = FastAPI(title="nodraft", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible streaming server for micro, with a "
@@ -260,6 +287,12 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.service = service
         self._drainer: threading.Thread | None = None
+        self.exit_code = 0
+        service.on_fatal = self._fatal
+
+    def _fatal(self) -> None:  # on the event loop: the engine died
+        self.exit_code = 1
+        self.should_exit = True
 
     def handle_exit(self, sig, frame) -> None:
         if self._drainer is not None or self.should_exit:
@@ -270,7 +303,7 @@ class DrainingServer(uvicorn.Server):
         self._drainer.start()
 
     def _drain(self) -> None:
-        self.service.drain(self.service.settings.drain_seconds)
+        self.service.drain_from_thread(self.service.settings.drain_seconds)
         self.should_exit = True
 
 
@@ -279,7 +312,15 @@ def serve(settings: Settings, registry: Registry | None = None) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level, lifespan="on",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-    DrainingServer(config, app.state.service).run()
+    service = app.state.service
+    if service.api_cores:  # the engine process has cores of its own; the event loop keeps this
+        os.sched_setaffinity(0, service.api_cores)
+    server = DrainingServer(config, service)
+    server.run()
+    if server.exit_code:
+        sys.exit(server.exit_code)  # the engine died: let the orchestrator restart us
+    if not server.started:
+        sys.exit(3)  # the start failed (uvicorn's own code for it); the log says why
 
 
 def main(argv: list[str] | None = None) -> None:

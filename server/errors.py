@@ -4,7 +4,8 @@
                "code": "context_length_exceeded"}}
 
 Routes raise ``APIError`` for what they check themselves; the rest arrive here as the
-engine's and the registry's own exceptions (``QueueFull`` -> 429, ``EngineStopped`` -> 503,
+engine's and the registry's own exceptions (``QueueFull`` -> 429, ``EngineStopped`` and
+``EngineDead`` -> 503,
 ``SpeculationError`` -> 400), FastAPI's validation errors (-> 400, not FastAPI's 422) and
 Starlette's HTTP exceptions (404, 405, a body that is not UTF-8). Anything else is a
 bug: 500, logged with its traceback, and its text is not echoed to the client.
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from drafters.registry import SpeculationError
-from server.engine import EngineStopped, QueueFull
+from engine.core import EngineDead, EngineStopped, QueueFull
 from server.protocol import UNSUPPORTED
 
 log = logging.getLogger("nodraft.server")
@@ -64,6 +65,9 @@ def to_api_error(exc: Exception) -> APIError:
     if isinstance(exc, QueueFull):
         return APIError(429, f"the server is busy ({exc}); retry after {RETRY_AFTER_SECONDS} s",
                         code="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(exc, EngineDead):
+        return APIError(503, f"the engine is not running ({exc}); the server is restarting",
+                        code="engine_dead")
     if isinstance(exc, EngineStopped):
         return APIError(503, "the server is shutting down and takes no new requests",
                         code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

@@ -1,15 +1,8 @@
 """From engine events to text: one HTTP request's choices, decoded as they stream.
 
-The engine thread calls back with ``Event``s; ``Run`` hops them onto the event loop into
-one queue for all of the request's choices, and turns each step's token ids into text:
-
-- **One wake-up per batch, and none while busy.** Events cross threads through the
-  loop's ``EventPump``: the engine thread appends to a list and wakes the loop
-  (``call_soon_threadsafe``, a write to the loop's self-pipe) only when no hand-out is
-  due, so one engine iteration over 32 streams costs one wake-up, not 32. The loop hands
-  the whole list out at once, in order, and while events keep coming it collects them
-  itself every ``interval`` (``--stream-interval-ms``) instead of being woken per engine
-  step: a wake-up pulls the event loop onto the GIL in the middle of the engine's step.
+The engine client delivers each choice's ``Event``s on the event loop (``engine.client``);
+``Run`` puts them into one queue for all of the request's choices and turns each step's
+token ids into text:
 
 - **UTF-8 safety.** A token may end inside a multi-byte character. Each choice decodes its
   tokens' bytes with an incremental UTF-8 decoder, so a token's text is only what completes
@@ -22,7 +15,7 @@ one queue for all of the request's choices, and turns each step's token ids into
   or ``bonus`` (the target's own token at the end of the pass), with the rejected draft
   tokens, for the playground.
 
-``Run.cancel`` -- a client that went away -- cancels every unfinished choice, which frees
+``Run.cancel`` -- a client that went away -- aborts every unfinished choice, which frees
 their KV slots before the engine's next step.
 """
 
@@ -30,81 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import threading
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from engine.client import EngineClient
+from engine.core import Event, GenerationRequest
+from engine.stats import SpecStats
 from micro.tokenizer import Tokenizer
-from server.engine import Engine, Event, GenerationRequest, Handle
-from server.stats import SpecStats
 
 
 class GenerationFailed(RuntimeError):
     """The engine reported an error for one of the request's sequences."""
-
-
-class EventPump:
-    """Carries (queue, item) pairs from other threads onto one event loop, in order.
-
-    The first item after a quiet spell wakes the loop at once (``call_soon_threadsafe``),
-    so a lone token is never held. After a hand-out that found items, the loop looks
-    again ``interval`` seconds later on a timer of its own, and goes on so while items
-    keep coming; only when a look finds none does the next item wake it again. So a busy
-    engine thread never wakes the loop, and the loop runs at most once per ``interval``.
-    ``interval`` 0: one hand-out per wake-up, with at most one wake-up pending.
-
-    Why: each wake-up costs the engine's step more than the loop's own work. Measured in
-    process (the server's engine, one stream, no HTTP): 1700 tokens/s; with an empty
-    callback scheduled on another thread's loop per step, 1420; with ~0.1 ms of Python in
-    that callback, 1050 (the loop takes the GIL whenever the engine's step lets it go).
-    """
-
-    interval = 0.0  # seconds; the server sets it from --stream-interval-ms
-
-    _pumps: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventPump]" = \
-        weakref.WeakKeyDictionary()
-    _pumps_lock = threading.Lock()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, object]] = []
-        self._due = False  # a hand-out is scheduled (a wake-up or the loop's own timer)
-
-    @classmethod
-    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "EventPump":
-        with cls._pumps_lock:
-            pump = cls._pumps.get(loop)
-            if pump is None:
-                pump = cls._pumps[loop] = cls(loop)
-            return pump
-
-    def post(self, queue: asyncio.Queue, item: object) -> None:
-        """From any thread. Raises RuntimeError once the loop is closed."""
-        with self._lock:
-            self._pending.append((queue, item))
-            wake, self._due = not self._due, True
-        try:
-            if wake:
-                self.loop.call_soon_threadsafe(self._drain)
-            elif self.loop.is_closed():  # closed with its timer pending
-                raise RuntimeError("the event loop is closed")
-        except RuntimeError:  # closed: nobody will drain; drop what is pending
-            with self._lock:
-                self._pending.clear()
-                self._due = False
-            raise
-
-    def _drain(self) -> None:  # on the loop
-        with self._lock:
-            items, self._pending = self._pending, []
-            again = bool(items) and self.interval > 0
-            self._due = again
-        if again:  # more are likely: look again on our own timer, unwoken
-            self.loop.call_later(self.interval, self._drain)
-        for queue, item in items:
-            queue.put_nowait(item)
 
 
 class TextStream:
@@ -169,7 +98,7 @@ class Choice:
     index: int
     request: GenerationRequest
     stream: TextStream
-    handle: Handle | None = None
+    rid: int | None = None  # the engine client's id, once submitted
     completion_tokens: int = 0
     finish_reason: str | None = None  # set by a stop string before the engine's finish
     stats: SpecStats | None = None
@@ -179,37 +108,33 @@ class Choice:
 class Run:
     """The sequences of one HTTP request (``n`` choices per prompt), in the engine."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer,
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer,
                  requests: list[GenerationRequest], stops: list[str]):
-        self.engine, self.tokenizer = engine, tokenizer
+        self.client, self.tokenizer = client, tokenizer
         self.choices = [Choice(i, r, TextStream(tokenizer, stops))
                         for i, r in enumerate(requests)]
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
 
     def start(self) -> None:
         """Submit every choice; if one is refused (queue full, draining), none runs."""
-        loop = asyncio.get_running_loop()
         try:
             for c in self.choices:
-                c.handle = self.engine.submit(c.request, self._callback(loop, c.index))
+                c.rid = self.client.submit(c.request, self._deliver(c.index))
         except Exception:
             self.cancel()
             raise
 
-    def _callback(self, loop: asyncio.AbstractEventLoop, index: int):
-        pump = EventPump.for_loop(loop)
+    def _deliver(self, index: int):
+        queue = self.queue
 
-        def on_event(ev: Event) -> None:  # on the engine thread
-            try:
-                pump.post(self.queue, (index, ev))
-            except RuntimeError:  # the event loop has closed: nobody is listening
-                pass
-        return on_event
+        def deliver(event: Event) -> None:  # on the event loop
+            queue.put_nowait((index, event))
+        return deliver
 
     def cancel(self) -> None:
         for c in self.choices:
-            if c.handle is not None and not c.done:
-                self.engine.cancel(c.handle)
+            if c.rid is not None and not c.done:
+                self.client.abort(c.rid)
 
     @property
     def finished(self) -> bool:
@@ -220,6 +145,8 @@ class Run:
         while not self.finished:
             index, ev = await self.queue.get()
             c = self.choices[index]
+            if ev.kind == "admit":
+                continue
             if ev.kind == "step":
                 yield self._step(c, ev)
             elif ev.kind == "finish":
@@ -240,7 +167,7 @@ class Run:
         text = c.stream.release()
         if c.stream.stopped:
             c.finish_reason = "stop"
-            self.engine.cancel(c.handle)
+            self.client.abort(c.rid)
         tokens = [{"id": t, "text": p, "origin": "accepted" if i < step.n_accepted else "bonus"}
                   for i, (t, p) in enumerate(zip(step.tokens, pieces))]
         rejected = [{"id": t, "text": self.tokenizer.token_bytes(t).decode("utf-8", "replace")}

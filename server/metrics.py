@@ -1,9 +1,12 @@
-"""The Prometheus adapter: the engine's ``SpecStats`` and timings, exported as counters.
+"""The Prometheus adapter: the engine's events and figures, exported as counters.
 
-The engine fills a plain ``SpecStats`` per sequence; this observer turns what changed in
-it at each step into counter increments, so a step that emits several tokens (accepted
-draft tokens plus the bonus token) counts every one of them, and the counters add up to
-exactly the figures the responses report. Ratios are left to PromQL (DESIGN.md):
+The engine reports every step with what it drafted, accepted and what the draft cost
+(``StepResult``), and every request's end with its totals (``SpecStats``). This adapter
+runs in the API process and turns each step into counter increments, so a step that emits
+several tokens (accepted draft tokens plus the bonus token) counts every one of them; at a
+request's end whatever its totals hold beyond the steps (a drafter error in ``close``) is
+added, so the counters add up to exactly the figures the responses report. Ratios are left
+to PromQL:
 
     acceptance rate    = rate(nodraft_spec_accepted_tokens_total)
                          / rate(nodraft_spec_draft_tokens_total)
@@ -13,16 +16,16 @@ exactly the figures the responses report. Ratios are left to PromQL (DESIGN.md):
 
 Labels: ``model`` is the checkpoint; ``method`` is the drafter that proposed (for ``auto``,
 the one it chose at each step); ``position`` counts draft positions from 0 (the first draft
-token after the current token). Drafter errors are labelled by the request's method and
-read from the sequence's figures, so errors in a drafter's ``close`` count too.
+token after the current token). Drafter errors are labelled by the request's method.
 
-Latencies, per sequence: time to first token from submission to the first step that
-emitted a token; inter-token latency once per token emitted by each later step, as the
-step's gap divided by its tokens (so its mean is seconds per token, and speculation shows
-in it); end-to-end from submission to the end of the sequence.
+Latencies, per sequence, measured where the API receives the engine's events (so they
+include the trip from the engine process): time to first token from submission to the
+first step that emitted a token; inter-token latency once per token emitted by each later
+step, as the step's gap divided by its tokens (so its mean is seconds per token, and
+speculation shows in it); end-to-end from submission to the end of the sequence.
 
-Every hook runs on the engine thread except ``on_queue`` (also called from ``submit``) and
-``count_request`` (the API); prometheus_client's metrics are thread-safe.
+``observe`` is called by the engine client for every event, on one thread at a time per
+request; prometheus_client's metrics are thread-safe.
 """
 
 from __future__ import annotations
@@ -33,9 +36,8 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, ProcessCollector, generate_latest)
 
-from server.engine import EngineObserver, Handle
-from server.sequence import StepResult
-from server.stats import SpecStats
+from engine.core import Event, GenerationRequest
+from engine.stats import SpecStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -46,12 +48,14 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 class _Progress:
     """What has been exported for one running sequence."""
 
+    request: GenerationRequest
+    submitted: float
     seen: dict[str, SpecStats] = field(default_factory=dict)  # method -> figures so far
     errors: int = 0
     last_token_at: float | None = None
 
 
-class Metrics(EngineObserver):
+class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -105,61 +109,70 @@ class Metrics(EngineObserver):
         """The exposition text and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    # -- engine hooks -----------------------------------------------------------------------
+    # -- the engine's events ----------------------------------------------------------------
     def on_queue(self, running: int, waiting: int) -> None:
         self.running.set(running)
         self.waiting.set(waiting)
 
-    def on_admit(self, handle: Handle) -> None:
-        self.prompt_tokens.labels(handle.request.model).inc(len(handle.request.prompt))
-        self._progress[handle.id] = _Progress()
+    def begin(self, rid: int, request: GenerationRequest, submitted: float) -> None:
+        """A request was submitted at ``submitted`` (``time.monotonic``)."""
+        self._progress[rid] = _Progress(request, submitted)
 
-    def on_step(self, handle: Handle, step: StepResult) -> None:
-        progress = self._progress.setdefault(handle.id, _Progress())
-        model = handle.request.model
+    def observe(self, rid: int, event: Event) -> None:
+        progress = self._progress.get(rid)
+        if progress is None:
+            return
+        model = progress.request.model
+        if event.kind == "admit":
+            self.prompt_tokens.labels(model).inc(len(progress.request.prompt))
+        elif event.kind == "step":
+            self._step(progress, event.step)
+        else:  # finish or error: the request's totals, then its latency
+            del self._progress[rid]
+            for method, now in (event.stats_by_method or {}).items():
+                self._export(progress, method, now)
+            if event.stats is not None:
+                self._errors(progress, event.stats.drafter_errors)
+            self.e2e.labels(model, progress.request.method).observe(
+                time.monotonic() - progress.submitted)
+
+    def _step(self, progress: _Progress, step) -> None:
+        model = progress.request.model
         if step.tokens:
             now = time.monotonic()
             n = len(step.tokens)
             self.generation_tokens.labels(model, step.method).inc(n)
             if progress.last_token_at is None:
-                self.ttft.labels(model, step.method).observe(now - handle.submitted)
+                self.ttft.labels(model, step.method).observe(now - progress.submitted)
             else:
                 per_token = (now - progress.last_token_at) / n
                 itl = self.itl.labels(model, step.method)
                 for _ in range(n):
                     itl.observe(per_token)
             progress.last_token_at = now
-        self._export(handle, progress)
+        after = replace(progress.seen.get(step.method) or SpecStats(step.method))
+        after.accepted_by_position = list(after.accepted_by_position)
+        after.record(len(step.draft), step.accepted, step.cost)
+        self._export(progress, step.method, after)
+        self._errors(progress, step.drafter_errors)
 
-    def on_finish(self, handle: Handle, reason: str) -> None:
-        progress = self._progress.pop(handle.id, None)
-        if progress is not None:
-            self._export(handle, progress)
-        self.e2e.labels(handle.request.model, handle.request.method).observe(
-            time.monotonic() - handle.submitted)
+    def _export(self, progress: _Progress, method: str, now: SpecStats) -> None:
+        """Add what one method's figures gained since the last export."""
+        before = progress.seen.get(method) or SpecStats(method)
+        labels = (progress.request.model, method)
+        _inc(self.draft_tokens.labels(*labels), now.drafted - before.drafted)
+        _inc(self.accepted_tokens.labels(*labels), now.accepted - before.accepted)
+        _inc(self.target_passes.labels(*labels), now.target_passes - before.target_passes)
+        _inc(self.draft_cost.labels(*labels), now.draft_cost - before.draft_cost)
+        old = before.accepted_by_position
+        for pos, count in enumerate(now.accepted_by_position):
+            gained = count - (old[pos] if pos < len(old) else 0)
+            _inc(self.accepted_per_position.labels(*labels, str(pos)), gained)
+        progress.seen[method] = now
 
-    def _export(self, handle: Handle, progress: _Progress) -> None:
-        """Add what the sequence's figures gained since the last export."""
-        seq = handle.sequence
-        if seq is None:
-            return
-        model = handle.request.model
-        for method, now in seq.stats_by_method.items():
-            before = progress.seen.get(method) or SpecStats(method)
-            labels = (model, method)
-            _inc(self.draft_tokens.labels(*labels), now.drafted - before.drafted)
-            _inc(self.accepted_tokens.labels(*labels), now.accepted - before.accepted)
-            _inc(self.target_passes.labels(*labels), now.target_passes - before.target_passes)
-            _inc(self.draft_cost.labels(*labels), now.draft_cost - before.draft_cost)
-            old = before.accepted_by_position
-            for pos, count in enumerate(now.accepted_by_position):
-                gained = count - (old[pos] if pos < len(old) else 0)
-                _inc(self.accepted_per_position.labels(*labels, str(pos)), gained)
-            progress.seen[method] = replace(now, accepted_by_position=list(
-                now.accepted_by_position))
-        _inc(self.drafter_errors.labels(handle.request.method),
-             seq.stats.drafter_errors - progress.errors)
-        progress.errors = seq.stats.drafter_errors
+    def _errors(self, progress: _Progress, errors: int) -> None:
+        _inc(self.drafter_errors.labels(progress.request.method), errors - progress.errors)
+        progress.errors = max(progress.errors, errors)
 
 
 def _inc(counter, amount: float) -> None:

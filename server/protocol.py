@@ -159,7 +159,7 @@ class Usage(BaseModel):
 
 
 class Speculation(BaseModel):
-    """The request's speculation figures (``server.stats.SpecStats.to_dict``)."""
+    """The request's speculation figures (``engine.stats.SpecStats.to_dict``)."""
 
     model_config = ConfigDict(extra="allow")
     method: str

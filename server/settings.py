@@ -44,11 +44,15 @@ class Settings(BaseSettings):
                                  "requests may run before they are cancelled")
     threads: int | None = Field(None, ge=1, description="torch threads of the engine "
                                 "(default: one per CPU core but one, at least one: the HTTP "
-                                "side needs a core of its own)")
+                                "side keeps a core of its own)")
+    engine_process: bool = Field(True, description="run the engine core in a process of "
+                                 "its own (false: a thread of the API process, sharing its "
+                                 "GIL)")
     stream_interval_ms: float = Field(
-        2.0, ge=0, le=100, description="while the engine keeps producing, the event loop "
-        "collects its events every this many ms instead of being woken per engine step "
-        "(the first token of a quiet spell is never held; 0: woken per step)")
+        2.0, ge=0, le=100, description="with --engine-process false: while the engine "
+        "thread keeps producing, the event loop collects its events every this many ms "
+        "instead of being woken per engine step (the first token of a quiet spell is never "
+        "held; 0: woken per step)")
     compile: bool = Field(True, description="compile single-sequence passes with "
                           "torch.compile (in the background at start; served eager until "
                           "ready); false: eager only")
@@ -60,11 +64,23 @@ class Settings(BaseSettings):
 
     @property
     def engine_threads(self) -> int:
-        """``threads``, or by default every core but one. micro's kernels are small; a
-        second thread gains a pass little and, spinning, takes the core the event loop
-        streams responses on: measured on this 2-core machine, one stream served 435-728
-        tokens/s with 1 thread against 328-429 with 2 (docs/ARCHITECTURE.md)."""
-        return self.threads or max(1, (os.cpu_count() or 1) - 1)
+        """``threads``, or by default every core but one (at least one): micro's kernels
+        are small, a second engine thread gains a pass little (docs/BENCHMARKS.md), and
+        the API process keeps a core for the event loop that streams responses."""
+        return self.threads or max(1, len(_usable_cores()) - 1)
+
+    def cores(self) -> tuple[list[int] | None, list[int] | None]:
+        """CPU affinity (engine process, API process). With two or more usable cores and
+        an engine process: the engine gets the first ``engine_threads`` cores (every core
+        when it asks for all of them), the API the last one unless the engine has it.
+        (None, None) otherwise: nothing is pinned."""
+        cores = _usable_cores()
+        if not self.engine_process or len(cores) < 2:
+            return None, None
+        n = self.engine_threads
+        if n >= len(cores):
+            return cores, None  # the engine asked for every core; the API shares them
+        return cores[:n], cores[-1:]
 
     @field_validator("speculation", mode="before")
     @classmethod
@@ -94,3 +110,11 @@ class Settings(BaseSettings):
                                      f"default: {default})")
         given = vars(parser.parse_args(argv))
         return cls(**given)
+
+
+def _usable_cores() -> list[int]:
+    """The cores this process may run on (its affinity, not every core of the machine)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))

@@ -462,3 +462,14 @@ def test_yamllint():
     done = run([sys.executable, "-m", "yamllint", "-s", "-f", "parsable", "-d", YAMLLINT,
                 *map(str, files)])
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    import tomllib
+
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {p.rstrip("*") for p in find["packages"]["find"]["include"]}
+    copied = {source.rstrip("/") for line in DOCKERFILE.read_text().splitlines()
+              if line.startswith("COPY") and "--from" not in line
+              for source in line.split()[1:-1]}
+    assert packages and packages <= copied, f"the image lacks {sorted(packages - copied)}"

@@ -10,8 +10,8 @@ import torch
 
 from drafters.registry import DrafterEnv, Registry
 from micro.model import KVCache, Micro
-from server.sequence import Sequence
-from server.verify import SamplingParams
+from engine.sequence import Sequence
+from engine.verify import SamplingParams
 
 REGISTRY = Registry()
 

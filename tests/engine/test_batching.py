@@ -7,10 +7,10 @@ import torch
 
 from drafters.registry import Registry
 from micro.model import KVCache, Segment, _offsets, _packed_attention_plan, forward_packed
-from server.engine import Engine, GenerationRequest
-from server.scheduler import DraftScheduler, PassTimer, SeqDraftState
-from server.sequence import tree_attention_mask
-from server.verify import SamplingParams
+from engine.core import Engine, GenerationRequest
+from engine.scheduler import DraftScheduler, PassTimer, SeqDraftState
+from engine.sequence import tree_attention_mask
+from engine.verify import SamplingParams
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import generate
 
@@ -85,7 +85,7 @@ def run_all(engine, requests, timeout=120.0):
     for i, r in enumerate(requests):
         def cb(ev, i=i):
             events[i].append(ev)
-            if ev.kind != "step":
+            if ev.kind in ("finish", "error"):
                 dones[i].set()
         engine.submit(r, cb)
     assert all(d.wait(timeout) for d in dones)

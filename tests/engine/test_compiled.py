@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from micro import gemm
 from micro.checkpoint import load_model, load_tokenizer
 from micro.model import KVCache
-from server.sequence import tree_attention_mask
+from engine.sequence import tree_attention_mask
 from tests.engine.helpers import all_configs, generate
 
 # every drafter and parameter set but EAGLE's 40-node tree, whose two draft graphs per model
@@ -129,7 +129,7 @@ def test_a_failed_warm_up_leaves_the_engine_serving_eager(checkpoint_dir):
     import threading
 
     from drafters.registry import Registry
-    from server.engine import WARM_UP_SWITCH_INTERVAL, Engine, GenerationRequest
+    from engine.core import WARM_UP_SWITCH_INTERVAL, Engine, GenerationRequest
 
     model = load_model("micro", checkpoint_dir).compile(lazy=False)
 
@@ -155,7 +155,7 @@ def test_a_failed_warm_up_leaves_the_engine_serving_eager(checkpoint_dir):
         def cb(ev):
             if ev.kind == "step":
                 tokens.extend(ev.step.tokens)
-            else:
+            elif ev.kind in ("finish", "error"):
                 done.set()
 
         engine.submit(GenerationRequest("micro", [5, 6, 7, 8], 6), cb)

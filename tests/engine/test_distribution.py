@@ -10,7 +10,7 @@ from scipy.stats import chisquare
 
 from drafters.base import Draft
 from micro.model import MicroConfig
-from server.verify import SamplingParams, target_probs
+from engine.verify import SamplingParams, target_probs
 from tests.conftest import tiny_model
 from tests.engine.helpers import REGISTRY, generate
 

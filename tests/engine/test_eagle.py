@@ -308,7 +308,7 @@ def test_the_server_warm_up_compiles_the_default_draft_step(env):
     until then (not lazy) the drafter drafts eager."""
     from drafters.eagle import _COMPILED_DRAFTS
     from drafters.registry import Registry
-    from server.engine import Engine
+    from engine.core import Engine
 
     model = copy.deepcopy(MODEL).compile(lazy=False)
     model.compiled.warm_up = lambda cache, slot, early_exit=True: 0.0  # the target's: elsewhere

@@ -8,9 +8,9 @@ import torch
 
 from drafters.base import Draft
 from drafters.registry import Registry, SpeculationError
-from server.engine import Engine, GenerationRequest, QueueFull
-from server.stats import SpecStats
-from server.verify import SamplingParams, accept, target_probs
+from engine.core import Engine, GenerationRequest, QueueFull
+from engine.stats import SpecStats
+from engine.verify import SamplingParams, accept, target_probs
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import generate
 
@@ -161,7 +161,7 @@ def run_to_end(engine, request, timeout=30.0):
 
     def cb(ev):
         events.append(ev)
-        if ev.kind != "step":
+        if ev.kind in ("finish", "error"):
             done.set()
 
     engine.submit(request, cb)
@@ -189,7 +189,7 @@ def test_engine_serves_concurrent_requests_and_bounds_the_queue():
             def cb(ev):
                 with lock:
                     results.append((i, ev))
-                if ev.kind != "step":
+                if ev.kind in ("finish", "error"):
                     dones[i].set()
             return cb
 
@@ -217,7 +217,7 @@ def test_cancel_frees_the_slot_before_the_next_step():
         def cb(ev):
             if ev.kind == "step":
                 first_step.set()
-            else:
+            elif ev.kind in ("finish", "error"):
                 reasons.append(ev.finish_reason)
                 finished.set()
 

@@ -6,8 +6,8 @@ import torch
 from drafters.base import DraftContext
 from drafters.lookahead import Lookahead, NgramPool, ngram_tree, window_layout
 from micro.model import KVCache
-from server.sequence import Sequence
-from server.verify import accept
+from engine.sequence import Sequence
+from engine.verify import accept
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import generate
 

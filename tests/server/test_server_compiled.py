@@ -1,13 +1,13 @@
-"""The server with compiled passes (``--compile true``, the default outside the tests): it
-serves while the graphs compile in the background, says so on /health, and once they are
-ready answers greedy requests with the same tokens as the eager server."""
+"""The server with compiled passes (``--compile true``, the default outside the tests): its
+engine process serves while the graphs compile in the background, /health says so, and once
+they are ready it answers greedy requests with the same tokens as the eager server. (What
+the warm-up readies, graph by graph, is tested on the engine itself: tests/engine.)"""
 
 import time
 
 import httpx
 from server_testing import LiveServer
 
-from micro import gemm
 from server.settings import Settings
 
 METHODS = ["none", "prompt_lookup", "suffix", {"method": "early_exit", "exit_layer": 2},
@@ -33,19 +33,6 @@ def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoin
         while httpx.get(server.url + "/health").json()["compiled"] != "ready":
             assert time.monotonic() < end, "compiled passes not ready after 600 s"
             time.sleep(0.5)
-        compiled = server.service.models["micro-layerskip"].compiled
-        assert compiled is not None and compiled._ready
-        # warm-up readied full passes of one row and of several: none compiles later
-        assert {f[3] for f in compiled._ready if f[:3] == (0, 4, True)} == {False, True}
-        # and EAGLE's default draft step, one-row and several-row catch-ups
-        from drafters.eagle import _COMPILED_DRAFTS, Eagle
-        p = Eagle.Params()
-        shapes = {s[:4] for cd in _COMPILED_DRAFTS.get(compiled, {}).values() for s in cd._ready}
-        assert shapes == {(p.depth, p.top_k, p.total_tokens - 1, False),
-                          (p.depth, p.top_k, p.total_tokens - 1, True)}
-        # with nodraft's product wherever it builds (--gemm auto, the default)
-        assert compiled.gemm == "auto"
-        assert compiled.gemm_kind == ("nodraft" if gemm.load() else "torch")
         for speculation in METHODS:
             got = _complete(server.url, speculation)
             want = _complete(live.url, speculation)

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from server_testing import MAX_RUNNING, MAX_WAITING, metric, sse_payloads, wait_for
+from server_testing import MAX_RUNNING, MAX_WAITING, LiveServer, metric, sse_payloads, wait_for
 
 from server.app import create_app
 from server.settings import Settings
@@ -207,12 +207,16 @@ def test_bounded_admission(live, http):
     with http.stream("POST", "/v1/completions",
                      json=body(stream=True, n=n, max_tokens=500, speculation=SLOW)) as r:
         assert r.status_code == 200
-        next(r.iter_lines())
+        lines = r.iter_lines()
+        next(lines)
         full = http.post("/v1/completions", json=body())
         assert full.status_code == 429
         assert full.headers["retry-after"] == "1"
         assert full.json()["error"]["type"] == "rate_limit_error"
-        assert metric(live.url, "nodraft_requests_waiting") == MAX_WAITING
+        # the engine reports its queue with each iteration's outputs
+        waiting = lambda: metric(live.url, "nodraft_requests_waiting")  # noqa: E731
+        assert wait_for(lambda: waiting() == MAX_WAITING), (
+            waiting(), metric(live.url, "nodraft_requests_running"), list(lines)[-4:])
     assert wait_for(lambda: metric(live.url, "nodraft_requests_running") == 0, timeout=10)
     assert http.post("/v1/completions", json=body()).status_code == 200
 
@@ -275,3 +279,22 @@ def test_server_default_speculation(serve_checkpoints):
         with TestClient(create_app(Settings(checkpoints=serve_checkpoints,
                                             speculation="warp_drive"))):
             pass
+
+
+def test_engine_thread_mode_serves_what_the_engine_process_serves(serve_checkpoints, live):
+    """``--engine-process false``: the engine on a thread of the API process, through the
+    same client seam: the same tokens, figures and counters as the engine process."""
+    requests = [body(max_tokens=24, speculation=m) for m in ("none", "prompt_lookup", "suffix")]
+    requests.append(body(max_tokens=24, speculation="none", temperature=0.9, seed=5))
+    settings = Settings(checkpoints=serve_checkpoints, threads=1, engine_process=False)
+    with LiveServer(settings) as thread_server, \
+            httpx.Client(base_url=thread_server.url, timeout=60) as c:
+        for req in requests:
+            here, there = c.post("/v1/completions", json=req), httpx.post(
+                live.url + "/v1/completions", json=req, timeout=60)
+            assert here.status_code == there.status_code == 200
+            assert here.json()["choices"] == there.json()["choices"]
+            if req["speculation"] != "suffix":  # suffix's store holds each server's past
+                assert here.json()["speculation"] == there.json()["speculation"]
+        assert metric(thread_server.url, "nodraft_generation_tokens_total") == 4 * 24
+        assert c.get("/health").json() == {"status": "ok", "compiled": "off"}

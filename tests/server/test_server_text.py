@@ -107,11 +107,16 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     defaults = Settings()
     assert (defaults.host, defaults.port, defaults.speculation) == ("127.0.0.1", 8000, "auto")
     assert defaults.cors_origins == []
-    # the engine's torch threads: as given, else every core but one (the event loop's)
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    # the engine's torch threads: as given, else every usable core but one (the event
+    # loop's); the engine process gets those cores, the API process the last one
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
     assert Settings().engine_threads == 7 and Settings(threads=3).engine_threads == 3
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
-    assert Settings().engine_threads == 1
+    assert Settings().cores() == (list(range(7)), [7])
+    assert Settings(threads=3).cores() == ([0, 1, 2], [7])
+    assert Settings(threads=8).cores() == (list(range(8)), None)  # the engine asked for all
+    assert Settings(engine_process=False).cores() == (None, None)  # one process: no pinning
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
+    assert Settings().engine_threads == 1 and Settings().cores() == (None, None)
     # the compiled passes' product (micro/gemm.py): auto by default, torch on request
     assert defaults.gemm == "auto" and Settings.from_argv(["--gemm", "torch"]).gemm == "torch"
     with pytest.raises(ValidationError):

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from drafters.base import Draft, DraftContext, Drafter, close_drafter
 from micro.model import KVCache, Micro, Segment
-from server.stats import SpecStats
-from server.verify import SamplingParams, accept
+from engine.stats import SpecStats
+from engine.verify import SamplingParams, accept
 
 PREFILL_CHUNK = 256
 
@@ -39,6 +39,8 @@ class StepResult:
     method: str  # the drafter that proposed (``auto`` reports the one it chose)
     cost: float = 0.0  # the draft's cost, in target-pass units
     finish_reason: str | None = None
+    accepted: int = 0  # draft tokens verification accepted (``n_accepted``: those emitted)
+    drafter_errors: int = 0  # the sequence's contained drafter errors so far
 
 
 @dataclass
@@ -203,7 +205,7 @@ class Sequence:
             self.finish(finish)
         rejected = _rejected_branch(draft, path)
         return StepResult(emitted, min(len(accepted), len(emitted)), dtok, rejected, method,
-                          draft.cost, finish)
+                          draft.cost, finish, len(accepted), self.stats.drafter_errors)
 
     def finish(self, reason: str) -> None:
         """End the sequence (a stop, a limit, or ``"cancelled"``); the drafter hears of it."""

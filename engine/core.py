@@ -1,11 +1,17 @@
-"""The engine: one thread owns the models and their KV caches and runs every sequence.
+"""The engine core: one thread owns the models and their KV caches and runs every sequence.
 
-asyncio never touches a model. The API submits a ``GenerationRequest`` with a callback;
-the engine thread admits it when a KV slot is free (at most ``max_running`` sequences, at
-most ``max_waiting`` queued, else ``QueueFull``) and reports each step's tokens through
-the callback. Step events are held until the iteration's passes are done, then delivered
-together (the API's ``EventPump`` then wakes the event loop once for all of them).
-Cancelling a request -- a client that went away -- frees its slot before the next pass.
+A caller submits a ``GenerationRequest`` with a callback; the engine admits it when a KV
+slot is free (at most ``max_running`` sequences, at most ``max_waiting`` queued, else
+``QueueFull``) and reports through the callback, in order: ``admit``, a ``step`` per
+target pass that emitted tokens (each with its figures: what was drafted, accepted and
+what the draft cost), then one ``finish`` or ``error`` carrying the request's totals.
+Events are plain data (``engine.messages`` sends them between processes). Step events are
+held until the iteration's passes are done, then delivered together. Cancelling a
+request -- a client that went away -- frees its slot before the next pass.
+
+``run_once`` is one iteration (admit, one pass per model, deliver, reap); ``start`` runs
+it on a thread of the engine's own (the in-process client), and the engine process
+(``engine.process``) calls it from its own loop between reading requests.
 
 Continuous batching: each iteration runs ONE packed target pass per model over every
 running sequence of that model -- each one's current token and draft (ragged: chains and
@@ -41,12 +47,12 @@ import torch
 from drafters.base import Draft
 from drafters.registry import DrafterEnv, Registry
 from micro.model import KVCache, Micro, Segment, forward_packed
-from server.scheduler import DraftScheduler, SeqDraftState
-from server.sequence import Sequence, StepResult
-from server.stats import SpecStats
-from server.verify import SamplingParams
+from engine.scheduler import DraftScheduler, SeqDraftState
+from engine.sequence import Sequence, StepResult
+from engine.stats import SpecStats
+from engine.verify import SamplingParams
 
-log = logging.getLogger("nodraft.server")
+log = logging.getLogger("nodraft.engine")
 
 
 PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being prefilled
@@ -59,6 +65,10 @@ class QueueFull(RuntimeError):
 
 class EngineStopped(RuntimeError):
     """The engine is draining or stopped and takes no new requests."""
+
+
+class EngineDead(EngineStopped):
+    """The engine process has exited: nothing more will be decoded."""
 
 
 @dataclass
@@ -74,9 +84,11 @@ class GenerationRequest:
 
 @dataclass
 class Event:
-    """What the engine reports: ``step`` (tokens), then one ``finish`` (or ``error``)."""
+    """What the engine reports: ``admit``, ``step`` (tokens and figures), then one
+    ``finish`` or ``error``; both carry the request's totals (``stats`` over the request,
+    ``stats_by_method`` by the drafter that proposed) when it was admitted."""
 
-    kind: str  # "step" | "finish" | "error"
+    kind: str  # "admit" | "step" | "finish" | "error"
     step: StepResult | None = None
     finish_reason: str | None = None
     stats: SpecStats | None = None
@@ -90,8 +102,8 @@ class Handle:
     request: GenerationRequest
     callback: Callable[[Event], None]
     cancelled: bool = False
+    error: str | None = None  # why the request failed, once it has
     sequence: Sequence | None = None
-    submitted: float = field(default_factory=time.monotonic)
     draft_state: SeqDraftState = field(default_factory=SeqDraftState)
 
     def cancel(self) -> None:
@@ -105,24 +117,13 @@ class Handle:
             self.cancelled = True
 
 
-class EngineObserver:
-    """Hooks for metrics; the default does nothing."""
-
-    def on_admit(self, handle: Handle) -> None: ...
-    def on_step(self, handle: Handle, step: StepResult) -> None: ...
-    def on_finish(self, handle: Handle, reason: str) -> None: ...
-    def on_queue(self, running: int, waiting: int) -> None: ...
-
-
 class Engine:
     def __init__(self, models: dict[str, Micro], registry: Registry, eot_id: int | None,
-                 max_running: int = 16, max_waiting: int = 64,
-                 observer: EngineObserver | None = None, threads: int | None = None):
+                 max_running: int = 16, max_waiting: int = 64, threads: int | None = None):
         self.models = models
         self.registry = registry
         self.eot_id = eot_id
         self.max_running, self.max_waiting = max_running, max_waiting
-        self.observer = observer or EngineObserver()
         self.threads = threads
         self.caches = {name: KVCache(m.config, max_running) for name, m in models.items()}
         self.free_slots = {name: list(range(max_running)) for name in models}
@@ -131,6 +132,8 @@ class Engine:
         self.scheduler = DraftScheduler()
         self.prefill_tokens = PREFILL_TOKENS
         self.passes = 0  # packed passes run (for tests and the curious)
+        self._threads_now: int | None = None  # what _use_threads last set
+        self._pass_threads = threads or torch.get_num_threads()  # for prefill and batches
         self.compiled_ready = False  # warm_up finished
         self.compiled_error: str | None = None  # warm_up failed: eager passes only
         self.waiting: deque[Handle] = deque()
@@ -149,10 +152,16 @@ class Engine:
     def warm_up(self, on_done: Callable[[float], None] | None = None) -> threading.Thread:
         """Compile the compiled models' graphs in the background (each on a scratch KV
         cache shaped like the engine's, freed afterwards); ``on_done(seconds)`` after. A
-        model whose graphs fail to compile goes back to eager (``compiled_error`` says why)."""
+        model whose graphs fail to compile goes back to eager (``compiled_error`` says why).
+
+        The graphs are generated for ONE thread, whatever ``threads`` is: inductor bakes
+        the compiling thread's thread count into its C++ loops, and a pass of a few rows is
+        too small to split -- with two threads every fused loop pays an OpenMP fork and
+        join, and a lone stream decoded slower on two cores than on one
+        (docs/BENCHMARKS.md). ``threads`` still serves the eager passes: prefill and the
+        packed passes of a batch."""
         def work() -> None:
-            if self.threads:
-                torch.set_num_threads(self.threads)
+            torch.set_num_threads(1)
             t0 = time.perf_counter()
             try:  # the compiler (and the C++ compilers it starts) yields the CPU to requests
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -224,7 +233,6 @@ class Engine:
                 raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting")
             handle = Handle(next(self._ids), request, callback)
             self.waiting.append(handle)
-            self.observer.on_queue(len(self.running), len(self.waiting))
             self._cv.notify()
         return handle
 
@@ -260,9 +268,12 @@ class Engine:
             self._thread.join(timeout=10)
 
     # -- the engine thread ---------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Sequences running or waiting: ``run_once`` has work."""
+        return bool(self.running or self.waiting)
+
     def _loop(self) -> None:
-        if self.threads:
-            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 with self._cv:
@@ -270,22 +281,42 @@ class Engine:
                         self._cv.wait()
                     if self._stop and not self.running and not self.waiting:
                         return
-                    self._reap()
-                    self._admit()
-                    batch = list(self.running)
-                by_model: dict[str, list[Handle]] = {}
-                for handle in batch:
-                    if not handle.cancelled:
-                        by_model.setdefault(handle.request.model, []).append(handle)
-                for name, handles in by_model.items():
-                    if len(handles) == 1:
-                        self._step(handles[0])
-                    else:
-                        self._packed_pass(name, handles)
-                self._deliver()
-                with self._cv:
-                    self._reap()
-                    self._cv.notify_all()
+                self.run_once()
+
+    @torch.inference_mode()
+    def run_once(self) -> None:
+        """One iteration: admit what fits, run one target pass per model over its running
+        sequences (a lone sequence takes the single-sequence path), deliver the
+        iteration's step events, then free finished and cancelled sequences."""
+        with self._cv:
+            self._reap()
+            self._admit()
+            batch = list(self.running)
+        by_model: dict[str, list[Handle]] = {}
+        for handle in batch:
+            if not handle.cancelled:
+                by_model.setdefault(handle.request.model, []).append(handle)
+        for name, handles in by_model.items():
+            if len(handles) == 1:
+                # a lone sequence's step is too small to split between threads (prefill is not)
+                self._use_threads(1 if handles[0].sequence.prefilled else self._pass_threads)
+                self._step(handles[0])
+            else:
+                self._use_threads(self._pass_threads)
+                self._packed_pass(name, handles)
+        self._deliver()
+        with self._cv:
+            self._reap()
+            self._cv.notify_all()
+
+    def _use_threads(self, n: int) -> None:
+        """torch threads for this thread's next pass (OpenMP's count is per thread). A
+        lone sequence's step runs on one: in process, two threads decoded one stream no
+        faster, and served, the second thread takes the core the API process streams on
+        and spins there between kernels (docs/BENCHMARKS.md, "Serving")."""
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
 
     def _admit(self) -> None:
         while self.waiting:
@@ -305,11 +336,9 @@ class Engine:
             except Exception as e:  # a drafter that cannot be built fails its request only
                 self.free_slots[name].append(slot)
                 handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
-                self.observer.on_finish(handle, "error")
                 continue
             self.running.append(handle)
-            self.observer.on_admit(handle)
-        self.observer.on_queue(len(self.running), len(self.waiting))
+            handle.report(Event("admit"))
 
     def _sequence(self, handle: Handle, slot: int) -> Sequence:
         req = handle.request
@@ -389,7 +418,6 @@ class Engine:
 
     def _report_step(self, handle: Handle, result: StepResult, depth: int) -> None:
         handle.draft_state.observe(depth, result.n_accepted)
-        self.observer.on_step(handle, result)
         self._outbox.append((handle, Event("step", step=result)))
 
     def _deliver(self) -> None:
@@ -399,8 +427,9 @@ class Engine:
             handle.report(event)
 
     def _fail(self, handle: Handle, e: Exception) -> None:
+        """End one request with an error (reported, with its figures, when it is reaped)."""
         handle.sequence.finish("error")
-        handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
+        handle.error = f"{type(e).__name__}: {e}"
 
     def _reap(self) -> None:
         """Free the slots of finished and cancelled sequences; report their end."""
@@ -415,15 +444,14 @@ class Engine:
             else:
                 keep.append(handle)
         self.running = keep
-        self.observer.on_queue(len(self.running), len(self.waiting))
 
     def _finish(self, handle: Handle, reason: str) -> None:
         seq = handle.sequence
-        if reason != "error":
-            handle.report(Event("finish", finish_reason=reason,
-                                  stats=seq.stats if seq else SpecStats(handle.request.method),
-                                  stats_by_method=seq.stats_by_method if seq else {}))
-        self.observer.on_finish(handle, reason)
+        handle.report(Event("error" if reason == "error" else "finish",
+                            finish_reason=None if reason == "error" else reason,
+                            stats=seq.stats if seq else SpecStats(handle.request.method),
+                            stats_by_method=seq.stats_by_method if seq else {},
+                            error=handle.error if reason == "error" else None))
 
 
 def _depth(result: StepResult) -> int:

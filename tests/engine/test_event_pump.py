@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from server.generation import EventPump
+from engine.client import EventPump
 
 
 def count_wakeups(loop: asyncio.AbstractEventLoop) -> list:
@@ -31,7 +31,7 @@ def test_events_arrive_in_order_with_one_wakeup_per_batch():
 
         def engine_iteration(start):  # another thread posts a batch while the loop waits
             for i in range(start, start + 32):
-                pump.post(queues[i % 4], i)
+                pump.post(queues[i % 4].put_nowait, i)
 
         for batch in range(3):
             t = threading.Thread(target=engine_iteration, args=(batch * 32,))
@@ -50,7 +50,7 @@ def test_a_closed_loop_refuses_and_keeps_nothing():
     pump = EventPump(loop)
     loop.close()
     with pytest.raises(RuntimeError):
-        pump.post(asyncio.Queue(), 1)
+        pump.post(asyncio.Queue().put_nowait, 1)
     assert pump._pending == []
 
 
@@ -59,11 +59,11 @@ def test_a_loop_closed_while_collecting_on_its_timer_refuses_too():
     pump = EventPump(loop)
     pump.interval = 0.01
     queue = asyncio.Queue()
-    pump.post(queue, 1)  # wakes the loop
+    pump.post(queue.put_nowait, 1)  # wakes the loop
     loop.run_until_complete(asyncio.sleep(0))  # hands it out, arms the timer
     loop.close()
     with pytest.raises(RuntimeError):
-        pump.post(queue, 2)
+        pump.post(queue.put_nowait, 2)
     assert pump._pending == [] and queue.get_nowait() == 1
 
 
@@ -86,7 +86,7 @@ def test_a_busy_producer_wakes_the_loop_once_then_the_loop_collects_on_its_timer
 
         def engine(start, n):  # an engine thread stepping every ~0.5 ms
             for i in range(start, start + n):
-                pump.post(queue, i)
+                pump.post(queue.put_nowait, i)
                 time.sleep(0.0005)
 
         async def consume(until):

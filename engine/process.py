@@ -1,0 +1,233 @@
+"""The engine core in a process of its own, and what builds an engine from its settings.
+
+    API process                                  engine process (``run_engine_process``)
+      MPClient.submit --Add/Abort/Shutdown-->  PULL  read every pending message
+                                                     Engine.run_once(): one pass per model
+      MPClient._receive <----Outputs---------  PUSH  that iteration's events, in one message
+
+The API process binds two ZeroMQ ``ipc://`` sockets and starts this process with
+multiprocessing's ``spawn`` (a fresh interpreter: no OpenMP or torch state is inherited);
+the engine connects, loads the checkpoints, starts compiling in a background thread when
+asked, and sends an empty ``Outputs`` to say it is serving. Then one thread alternates
+between reading requests (without blocking while sequences run) and running engine
+iterations: the engine's Python and its kernels never share a GIL or a core with the event
+loop that streams responses.
+
+Lifetime: the engine process ignores SIGINT and SIGTERM -- a Ctrl-C reaches the whole
+process group, and the API process drains first and then sends ``Shutdown``. It exits when
+told to, and when its parent dies, however it dies (``PR_SET_PDEATHSIG`` on Linux, and a
+check of its parent's pid between iterations everywhere): no engine outlives its server.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from drafters.registry import Registry
+from engine import messages
+from engine.core import Engine, Event, GenerationRequest, Handle
+
+log = logging.getLogger("nodraft.engine")
+
+IDLE_POLL_MS = 100  # an idle engine looks at its parent and its compile status this often
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, as plain data (it crosses into the engine process)."""
+
+    checkpoints: str
+    drafters: dict[str, str] = field(default_factory=dict)  # Registry.targets(); {}: built-ins
+    max_running: int = 32
+    max_waiting: int = 64
+    threads: int | None = None  # torch threads; None: torch's default
+    compile: bool = True  # compiled single-sequence passes, built in the background
+    gemm: str = "auto"
+    cores: list[int] | None = None  # CPU affinity of the engine process; None: unchanged
+    log_level: str = "info"
+
+
+def build_engine(config: EngineConfig) -> Engine:
+    """Load the checkpoints into an engine (not started); compiled passes are set up, and
+    built later by ``Engine.warm_up``."""
+    from micro.checkpoint import available_models, load_model, load_tokenizer
+
+    directory = Path(config.checkpoints)
+    names = available_models(directory)
+    if not names:
+        raise RuntimeError(f"no checkpoint in {directory} (micro.safetensors, "
+                           "micro-layerskip.safetensors): train them or pass --checkpoints")
+    tokenizer_json = directory / "tokenizer.json"
+    tokenizer = load_tokenizer(tokenizer_json if tokenizer_json.exists() else None)
+    models = {name: load_model(name, directory) for name in names}
+    registry = Registry(builtin=config.drafters, plugins=False) if config.drafters else Registry()
+    engine = Engine(models, registry, tokenizer.eot_id, config.max_running,
+                    config.max_waiting, threads=config.threads)
+    engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
+    if config.compile:
+        for model in models.values():
+            model.compile(lazy=False, gemm=config.gemm)
+    return engine
+
+
+def compiled_status(engine: Engine, config: EngineConfig) -> tuple[str, str | None]:
+    if not config.compile:
+        return "off", None
+    if engine.compiled_error is not None:
+        return "failed", engine.compiled_error
+    return ("ready" if engine.compiled_ready else "warming"), None
+
+
+def start_warm_up(engine: Engine, config: EngineConfig) -> None:
+    """Compile in the background, if asked; the log says when it is done and with what."""
+    if not config.compile:
+        return
+    log.info("nodraft: compiling the single-sequence passes in the background "
+             "(served eager until then)")
+
+    def done(seconds: float) -> None:
+        if engine.compiled_error is None:
+            kinds = {m.compiled.gemm_kind for m in engine.models.values() if m.compiled}
+            log.info("nodraft: compiled passes ready (%.0f s; products: %s)", seconds,
+                     ", ".join(sorted(k for k in kinds if k)))
+        else:
+            log.warning("nodraft: compiling failed, serving eager passes: %s",
+                        engine.compiled_error)
+
+    engine.warm_up(done)
+
+
+# -- the engine process ------------------------------------------------------------------------
+def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
+                       parent_pid: int) -> None:
+    """The engine process's main function (multiprocessing's target)."""
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s: %(message)s")
+    if config.cores:
+        os.sched_setaffinity(0, config.cores)
+    import torch
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine = build_engine(config)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(output_address)
+    start_warm_up(engine, config)
+    try:
+        EngineCore(engine, config, inbox, outbox, parent_pid).run()
+    finally:
+        outbox.close()  # lingers until the last outputs are written
+        inbox.close(linger=0)
+        context.term()
+    # daemon threads (a compile in progress) must not hold the exit up
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class EngineCore:
+    """The engine process's loop: read requests, run an iteration, send its outputs."""
+
+    def __init__(self, engine: Engine, config: EngineConfig, inbox: zmq.Socket,
+                 outbox: zmq.Socket, parent_pid: int):
+        self.engine, self.config = engine, config
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.handles: dict[int, Handle] = {}
+        self.events: list[tuple[int, Event]] = []
+        self.status: tuple[str, str | None] | None = None
+        self.load: tuple[int, int] | None = None
+        self.stopping = False
+
+    def run(self) -> None:
+        engine = self.engine
+        self._send()  # the first outputs say the engine is serving
+        while True:
+            busy = engine.busy
+            if self.poller.poll(0 if busy else IDLE_POLL_MS):
+                while True:
+                    try:
+                        raw = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._handle(messages.decode_input(raw))
+                self._send()  # the queue's new length, before the iteration
+            if self.stopping:
+                engine.stop()  # cancels everything; the iterations below report it
+                while engine.busy:
+                    engine.run_once()
+                self._send()
+                return
+            if engine.busy:
+                engine.run_once()
+            self._send()
+            if not busy and os.getppid() != self.parent_pid:
+                return  # the API process is gone (where PDEATHSIG is not available)
+
+    def _handle(self, msg: messages.Input) -> None:
+        if isinstance(msg, messages.Add):
+            self._add(msg.rid, msg.request)
+        elif isinstance(msg, messages.Abort):
+            for rid in msg.rids:
+                handle = self.handles.get(rid)
+                if handle is not None:
+                    self.engine.cancel(handle)
+        elif isinstance(msg, messages.Shutdown):
+            self.stopping = True
+
+    def _add(self, rid: int, r: messages.Request) -> None:
+        def report(event: Event) -> None:
+            self.events.append((rid, event))
+
+        try:
+            method, params = self.engine.registry.parse({"method": r.method, **r.params})
+            request = GenerationRequest(r.model, r.prompt, r.max_tokens, r.sampling, method,
+                                        params, tuple(r.stop_token_ids))
+            self.handles[rid] = self.engine.submit(request, report)
+        except Exception as e:  # QueueFull, EngineStopped, a bad request: that request only
+            report(Event("error", error=f"{type(e).__name__}: {e}"))
+
+    def _send(self) -> None:
+        """The events so far, with the queue and compile status; nothing if nothing
+        changed."""
+        status = compiled_status(self.engine, self.config)
+        load = self.engine.load
+        if not self.events and status == self.status and load == self.load:
+            return
+        events, self.events = self.events, []
+        for rid, event in events:
+            if event.kind in ("finish", "error"):
+                self.handles.pop(rid, None)
+        self.status, self.load = status, load
+        self.outbox.send(messages.encode(messages.Outputs(
+            events, load[0], load[1], status[0], status[1])))
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(0)
+
