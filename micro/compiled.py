@@ -117,18 +117,22 @@ class CompiledPasses:
 
     @torch.inference_mode()
     def run(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int, start: int,
-            mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None] | None:
+            mask: Tensor | None, head: bool, compile: bool | None = None
+            ) -> tuple[Tensor, Tensor | None] | None:
         """Layers [lo, hi) over one sequence's block h (T, dim) at positions pos (T,);
         keys and values go to rows [start, start+T) of ``slot``; the block sees rows
         [0, start) and itself under ``mask``, an additive (T, T) mask (None: causal).
         Returns the block's final residual stream (T, dim) and, with ``head``, logits;
-        None when this family is not compiled (the caller runs eager)."""
+        None when this family is not compiled (the caller runs eager). ``compile``: whether
+        a family not compiled yet compiles now (None: ``lazy``) -- the warm-up passes True
+        for its own calls only, so a request served meanwhile on another thread never
+        compiles."""
         T = h.shape[0]
         if start < MIN_CONTEXT:
             return None
         family = (lo, hi, head, T > 1, tuple(cache.k.shape), h.dtype)
         fresh = family not in self._ready
-        if fresh and not self.lazy:
+        if fresh and not (self.lazy if compile is None else compile):
             return None
         if mask is None and T > 1:
             mask = self.causal(T, h.dtype)
@@ -167,13 +171,10 @@ class CompiledPasses:
             for E in range(1, L):  # drafting, the last draft token's rows, verification
                 ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, False, 3)]
         start = MIN_CONTEXT + 6
-        lazy, self.lazy = self.lazy, True
-        try:  # run() is in inference mode, as the engine's passes: the guards see the same keys
-            for lo, hi, head, T in ranges:
-                self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
-                         lo, hi, cache, slot, start, None, head)
-        finally:
-            self.lazy = lazy
+        # run() is in inference mode, as the engine's passes: the guards see the same keys
+        for lo, hi, head, T in ranges:
+            self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
+                     lo, hi, cache, slot, start, None, head, compile=True)
         return time.perf_counter() - t0
 
 
