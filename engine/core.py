@@ -274,14 +274,13 @@ class Engine:
         return bool(self.running or self.waiting)
 
     def _loop(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not self._stop and not self.running and not self.waiting:
-                        self._cv.wait()
-                    if self._stop and not self.running and not self.waiting:
-                        return
-                self.run_once()
+        while True:
+            with self._cv:
+                while not self._stop and not self.running and not self.waiting:
+                    self._cv.wait()
+                if self._stop and not self.running and not self.waiting:
+                    return
+            self.run_once()
 
     @torch.inference_mode()
     def run_once(self) -> None:

@@ -29,6 +29,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import zmq
 
 from drafters.registry import Registry
@@ -116,8 +117,6 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s: %(message)s")
     if config.cores:
         os.sched_setaffinity(0, config.cores)
-    import torch
-
     if config.threads:
         torch.set_num_threads(config.threads)
     engine = build_engine(config)
