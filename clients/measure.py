@@ -1,6 +1,6 @@
 """In-process measurement of drafters: the figures of one greedy decode, and measured
 speed-up against ``none`` (same prompt, same tokens, same process, runs alternated,
-median of at least 5), as DESIGN.md defines it. Used by ``nodraft workshop`` and the
+median of at least 5), as docs/ARCHITECTURE.md defines it. Used by ``nodraft workshop`` and the
 benchmarks.
 
 The two prompts of the course's workshop are built at run time from held-out text of the

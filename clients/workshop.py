@@ -17,7 +17,8 @@ speed-up** against ``none`` in the same run. Rows:
   suffix, then medusa, eagle, lookahead, auto and plugins as they exist). A drafter that
   cannot be built (Medusa or EAGLE heads not trained yet, say) is skipped with a note.
 
-Each figure follows DESIGN.md, from the drafter's last run:
+Each figure is defined in docs/ARCHITECTURE.md ("Words, formulas and metric names"), from
+the drafter's last run:
 
     acceptance rate     = accepted / drafted        ("0 drafted" when nothing was drafted)
     tokens per pass     = (accepted + target passes) / target passes
@@ -383,7 +384,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--api-key", help="with --url: the server's API key")
     args = p.parse_args(argv)
     if args.repeats < 5:
-        p.error("--repeats must be at least 5 (DESIGN.md: median of at least 5)")
+        p.error("--repeats must be at least 5 (a measured speed-up is the median of at least 5)")
     if args.tokens < 1:
         p.error("--tokens must be at least 1")
     return args

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -110,6 +110,11 @@ class DraftContext:
     state: dict = field(default_factory=dict)  # per-sequence scratch for the drafter
     temperature: float = 0.0  # the request's sampling temperature (0 = greedy)
     generator: torch.Generator | None = None  # the request's random stream (sampled drafts)
+    # Seeded sampling: ``draw(logits, t)`` is the token the request's noise picks at sequence
+    # position t from these logits (its temperature, top-k, top-p applied). A drafter that
+    # samples its own proposal draws it this way, so it agrees with the target as often as
+    # possible. None: unseeded, or greedy.
+    draw: Callable[[Tensor, int], int] | None = None
     aux_logits: Tensor | None = None  # (m, V) the last pass's logits of Draft.aux_tokens
     # the request's n-gram index over ``tokens`` (drafters.suffix.request_index), shared
     # by the match-based drafters

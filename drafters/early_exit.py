@@ -12,7 +12,9 @@ layers plus the 4096-way head. For micro (width 160, SwiGLU 384, vocabulary 4096
 is ~287k multiply-adds and the head ~655k, so E = 1, 2, 3 cost 0.52, 0.68 and 0.84.
 
 With sampling, draft token x is drawn from the exit's own distribution q (at the request's
-temperature), and q travels with the draft for the min(1, p/q) rule.
+temperature), and q travels with the draft for the min(1, p/q) rule. With a seed, x is drawn
+by the request's noise at its position (``DraftContext.draw``), coupled with the target's
+own draw there; no q travels.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class EarlyExit:
             logits, h = m.exit_pass(torch.tensor([tok]), ctx.cache, ctx.slot, n + i, E)
             hiddens.append(h)
             logits = logits[-1]
-            if ctx.temperature > 0:
+            if ctx.draw is not None:  # seeded: the request's noise at this token's position
+                tok = ctx.draw(logits, len(ctx.tokens) + i)
+            elif ctx.temperature > 0:
                 q = (logits.float() / ctx.temperature).softmax(-1)
                 tok = int(torch.multinomial(q, 1, generator=ctx.generator))
                 probs.append(q)

@@ -242,7 +242,8 @@ class Medusa:
     class Params:
         num_heads: int = 4  # heads used = the tree's depth limit; at most the trained K
         total_tokens: int = 16  # the tree's size: draft tokens per step
-        top_k: int = 10  # ranks per head the tree may use (at most the measured k)
+        top_k: int = 10  # ranks per head the tree may use (at most the ranks measured at
+        # training, the record's heldout.top_k: a larger value is a 400)
 
         def __post_init__(self):
             if not 1 <= self.num_heads <= 16:
@@ -261,11 +262,18 @@ class Medusa:
             raise SpeculationError(
                 f"no Medusa heads for {env.model_name!r}; train them with "
                 f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
-        trained = len(json.loads(record_path.read_text()).get("heldout", {}).get("accuracy", []))
+        accuracy = json.loads(record_path.read_text()).get("heldout", {}).get("accuracy", [])
+        trained = len(accuracy)
         if params.num_heads > trained:
             raise SpeculationError(
                 f"num_heads={params.num_heads}, but {env.model_name!r} has {trained} trained "
                 "Medusa heads", "speculation.num_heads")
+        measured = min((len(row) for row in accuracy), default=0)
+        if params.top_k > measured:  # the tree is built from measured rank accuracies only
+            raise SpeculationError(
+                f"top_k={params.top_k}, but the Medusa heads of {env.model_name!r} were "
+                f"measured for ranks up to {measured}; top_k may be at most {measured}",
+                "speculation.top_k")
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params

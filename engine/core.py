@@ -80,6 +80,8 @@ class GenerationRequest:
     method: str = "none"
     params: Any = None  # the drafter's Params (Registry.parse)
     stop_token_ids: tuple[int, ...] = ()  # besides the engine's end-of-text
+    logprobs: int | None = None  # per token: its logprob and the top k (``StepResult``)
+    prompt_logprobs: bool = False  # the prompt tokens' too, on the first step
 
 
 @dataclass
@@ -348,7 +350,8 @@ class Engine:
         drafter = self.registry.build(req.method, req.params, env)
         stops = frozenset(req.stop_token_ids) | ({self.eot_id} if self.eot_id is not None else set())
         return Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
-                        req.sampling, stops, req.method)
+                        req.sampling, stops, req.method, logprobs=req.logprobs,
+                        prompt_logprobs=req.prompt_logprobs)
 
     def _step(self, handle: Handle) -> None:
         seq = handle.sequence

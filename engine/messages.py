@@ -32,12 +32,14 @@ class Request(msgspec.Struct, array_like=True):
     method: str
     params: dict
     stop_token_ids: list[int]
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     @classmethod
     def of(cls, r: GenerationRequest) -> "Request":
         params = dataclasses.asdict(r.params) if dataclasses.is_dataclass(r.params) else {}
         return cls(r.model, r.prompt, r.max_tokens, r.sampling, r.method, params,
-                   list(r.stop_token_ids))
+                   list(r.stop_token_ids), r.logprobs, r.prompt_logprobs)
 
 
 class Add(msgspec.Struct, array_like=True, tag="add"):

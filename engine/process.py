@@ -198,7 +198,8 @@ class EngineCore:
         try:
             method, params = self.engine.registry.parse({"method": r.method, **r.params})
             request = GenerationRequest(r.model, r.prompt, r.max_tokens, r.sampling, method,
-                                        params, tuple(r.stop_token_ids))
+                                        params, tuple(r.stop_token_ids), r.logprobs,
+                                        r.prompt_logprobs)
             self.handles[rid] = self.engine.submit(request, report)
         except Exception as e:  # QueueFull, EngineStopped, a bad request: that request only
             report(Event("error", error=f"{type(e).__name__}: {e}"))

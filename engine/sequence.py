@@ -25,7 +25,8 @@ from torch import Tensor
 from drafters.base import Draft, DraftContext, Drafter, close_drafter
 from micro.model import KVCache, Micro, Segment
 from engine.stats import SpecStats
-from engine.verify import SamplingParams, accept
+from engine.sampling import PositionNoise, derive_seed
+from engine.verify import SamplingParams, accept, target_probs
 
 PREFILL_CHUNK = 256
 
@@ -41,6 +42,13 @@ class StepResult:
     finish_reason: str | None = None
     accepted: int = 0  # draft tokens verification accepted (``n_accepted``: those emitted)
     drafter_errors: int = 0  # the sequence's contained drafter errors so far
+    # with ``Sequence.logprobs`` set: per emitted token, (its logprob, the top
+    # ``logprobs`` (id, logprob) pairs, most likely first) under the target's raw
+    # distribution (log-softmax of its logits: no temperature, no top-k/top-p)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with ``Sequence.prompt_logprobs``, on the first step only: the same for prompt tokens
+    # 1.. (the first prompt token has none), from the prefill's hidden states
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -55,6 +63,8 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # end-of-text and the like: not emitted
     method: str = "none"
     max_draft: int = 64
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the top k
+    prompt_logprobs: bool = False  # the prompt's too (needs ``logprobs``), on the first step
 
     def __post_init__(self):
         assert 1 <= len(self.prompt) < self.cache.max_len, "prompt must fit the context"
@@ -63,14 +73,25 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stats = SpecStats(self.method)
         self.stats_by_method: dict[str, SpecStats] = {}
-        self.generator = torch.Generator()
-        self.generator.manual_seed(self.sampling.seed if self.sampling.seed is not None
+        sp = self.sampling
+        self.generator = torch.Generator()  # the drafters' own randomness; the unseeded rule's
+        self.generator.manual_seed(derive_seed(sp.seed, "draft") if sp.seed is not None
                                    else int(torch.randint(0, 2**62, (1,))))
+        # seeded sampling: the drafter-invariant rule (engine.sampling)
+        self.noise = (PositionNoise(sp.seed, self.model.config.vocab_size)
+                      if sp.seed is not None and not sp.greedy else None)
         self.ctx = DraftContext(self.tokens, len(self.prompt), self.model, self.cache, self.slot,
-                                temperature=self.sampling.temperature, generator=self.generator)
+                                temperature=sp.temperature, generator=self.generator,
+                                draw=self._draw if self.noise is not None else None)
         self.prefilled = False
         self._states: list[Tensor] = []  # prefill chunks' hidden states (packed prefill)
         self._prefill_begun = False
+
+    def _draw(self, logits: Tensor, pos: int) -> int:
+        return self.noise.draw(target_probs(logits, self.sampling), pos)
+
+    def _accept(self, logits: Tensor, draft: Draft) -> tuple[list[int], int]:
+        return accept(logits, draft, self.sampling, self.generator, self.noise, len(self.tokens))
 
     @property
     def done(self) -> bool:
@@ -173,9 +194,14 @@ class Sequence:
         self.ctx.aux_logits = logits[k + 1:] if logits.shape[0] > k + 1 else None
         return logits[:k + 1], hidden[:k + 1]
 
-    def commit(self, draft: Draft, path: list[int], bonus: int, hidden: Tensor) -> StepResult:
-        """Roll the cache back to the accepted path, record the figures, apply stops."""
+    def commit(self, draft: Draft, path: list[int], bonus: int, hidden: Tensor,
+               logits: Tensor | None = None) -> StepResult:
+        """Roll the cache back to the accepted path, record the figures, apply stops.
+        ``logits``: the verified rows' (needed for ``logprobs``)."""
         n = self.cache.lengths[self.slot]
+        prompt_lp = None
+        if self.prompt_logprobs and len(self.tokens) == len(self.prompt):  # the first step
+            prompt_lp = self._prompt_logprobs()
         if draft.parents is not None and path:  # move the accepted path's rows into place
             self.cache.move_rows(self.slot, [n + 1 + i for i in path], n + 1)
         self.cache.set_length(self.slot, n + 1 + len(path))
@@ -192,6 +218,8 @@ class Sequence:
             emitted = emitted[:hit]
             finish = "stop"
         self.tokens.extend(accepted + [bonus])
+        if self.noise is not None:
+            self.noise.forget_before(len(self.tokens))
         self.generated += len(emitted)
         if finish is None and self.generated >= self.max_tokens:
             finish = "length"
@@ -204,8 +232,23 @@ class Sequence:
         if finish is not None:
             self.finish(finish)
         rejected = _rejected_branch(draft, path)
+        lps = None
+        if self.logprobs is not None and logits is not None:
+            rows = [0, *(i + 1 for i in path)][:len(emitted)]
+            lps = token_logprobs(logits[rows], emitted, self.logprobs)
         return StepResult(emitted, min(len(accepted), len(emitted)), dtok, rejected, method,
-                          draft.cost, finish, len(accepted), self.stats.drafter_errors)
+                          draft.cost, finish, len(accepted), self.stats.drafter_errors, lps,
+                          prompt_lp)
+
+    def _prompt_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Prompt tokens 1.. scored by the prefill's final hidden states (row i predicts
+        prompt token i + 1); read before the first commit replaces them."""
+        h = self.ctx.last_hidden
+        if h is None or len(self.prompt) < 2:
+            return []
+        with torch.inference_mode():
+            return token_logprobs(self.model.head(h[:len(self.prompt) - 1]), self.prompt[1:],
+                                  self.logprobs or 0)
 
     def finish(self, reason: str) -> None:
         """End the sequence (a stop, a limit, or ``"cancelled"``); the drafter hears of it."""
@@ -221,8 +264,8 @@ class Sequence:
             self.prefill()
         draft = self.propose()
         logits, hidden = self.verify(draft)
-        path, bonus = accept(logits, draft, self.sampling, self.generator)
-        return self.commit(draft, path, bonus, hidden)
+        path, bonus = self._accept(logits, draft)
+        return self.commit(draft, path, bonus, hidden, logits)
 
     # -- the same, as segments of a packed pass shared with other sequences ---------------
     def prefill_segment(self, budget: int) -> Segment | None:
@@ -261,8 +304,8 @@ class Sequence:
     def finish_step(self, draft: Draft, logits: Tensor, hidden: Tensor) -> StepResult:
         """Accept and commit after a packed pass computed the segment's logits."""
         logits, hidden = self.split(logits, hidden, len(draft))
-        path, bonus = accept(logits, draft, self.sampling, self.generator)
-        return self.commit(draft, path, bonus, hidden)
+        path, bonus = self._accept(logits, draft)
+        return self.commit(draft, path, bonus, hidden, logits)
 
     def _drafter_error(self, method: str) -> None:
         self.stats.drafter_errors += 1
@@ -272,6 +315,20 @@ class Sequence:
         if method not in self.stats_by_method:
             self.stats_by_method[method] = SpecStats(method)
         return self.stats_by_method[method]
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], top: int
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row of ``logits`` (m, V): the logprob of ``tokens[row]`` and the ``top`` most
+    likely (id, logprob) pairs, under log-softmax (float32)."""
+    if not tokens:
+        return []
+    lp = logits.float().log_softmax(-1)
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
 
 
 def tree_attention_mask(parents: Tensor) -> Tensor:

@@ -20,6 +20,12 @@ Sampling, with p the target's (temperature, top-k, top-p) distribution at the no
 Both keep the output distributed exactly as the target's: for one deterministic x,
 P(y) = p(x)·[y = x] + (1 - p(x)) · p(y)·[y != x] / (1 - p(x)) = p(y).
 If every step along the path is accepted, the bonus is drawn from p at the last node.
+
+Seeded sampling (``noise`` given, see ``engine.sampling``) verifies as greedy does, against
+the token the Gumbel-max race picks at each node's position instead of the argmax: the output
+is then the same text under every drafter. For deterministic proposals (chains and trees)
+both rules accept exactly as often: a child is on the path with probability p(x) under
+either. They differ only for drafts with a distribution q.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from torch import Tensor
 
 from drafters.base import Draft
+from engine.sampling import PositionNoise
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (logits / 1e-300 overflow)
@@ -80,14 +87,27 @@ def _sample(p: Tensor, gen: torch.Generator | None) -> int:
 
 
 def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
-           gen: torch.Generator | None = None) -> tuple[list[int], int]:
-    """(accepted node indices along the path, bonus token) for one verification block."""
+           gen: torch.Generator | None = None, noise: PositionNoise | None = None,
+           pos: int = 0) -> tuple[list[int], int]:
+    """(accepted node indices along the path, bonus token) for one verification block.
+
+    ``noise``: seeded sampling's per-position noise; row 0 predicts sequence position
+    ``pos`` and a node at depth d position ``pos + d``."""
     if sp.greedy and logits.shape[0] == 1:  # no draft (plain decoding): the argmax
         return [], int(logits[0].argmax())
     tokens = draft.tokens.tolist()
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []
     row = 0
+    if not sp.greedy and noise is not None:
+        depth = [0, *draft.depths()] if tokens else [0]
+        while True:  # rows are visited one per emitted token: their probs only
+            want = noise.draw(target_probs(logits[row], sp), pos + depth[row])
+            nxt = next((c for c in children[row] if tokens[c] == want), None)
+            if nxt is None:
+                return path, want
+            path.append(nxt)
+            row = nxt + 1
     if sp.greedy:
         targets = logits.argmax(-1).tolist()
         while True:

@@ -3,21 +3,33 @@
     nodraft serve [--host 127.0.0.1] [--port 8000] [--speculation METHOD] [--api-key KEY]
                   [--max-running N] [--max-waiting N] [--max-body-bytes N]
                   [--cors-origins A,B] [--checkpoints DIR] [--drain-seconds S] [--threads N]
+                  ... (``nodraft serve --help`` lists every flag: ``server.settings``)
 
 The lifespan reads the checkpoints in ``--checkpoints`` (micro and micro-layerskip: their
 configs, not their weights), the tokenizer and the drafter registry into a ``Service`` on
-``app.state.service``, and starts the engine: by default a process of its own
+``app.state.service``, imports every drafter's module (so that no request imports one on
+the event loop), and starts the engine: by default a process of its own
 (``engine.client.MPClient``), which alone loads and runs the models; with
 ``--engine-process false`` a thread of this process. On a machine with two or more cores
 ``nodraft serve`` gives the engine process every core but the last and keeps the last for
 this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/CSS from
 ``server/static``, nothing from outside). Around the routes (``server.api``):
 
-- ``--api-key``: ``/v1/*`` needs ``Authorization: Bearer KEY`` (else 401); ``/health``,
-  ``/ready`` and ``/metrics`` stay open for probes and Prometheus.
-- ``--max-body-bytes``: larger bodies get a 413. CORS is off unless ``--cors-origins``.
+- ``--api-key``: ``/v1/*`` needs ``Authorization: Bearer KEY`` (the scheme in any case;
+  else 401); ``/health``, ``/ready`` and ``/metrics`` stay open for probes and Prometheus.
+- ``--max-body-bytes``: larger bodies get a 413; a body must arrive within
+  ``--body-timeout-seconds`` of its headers (else 408). CORS is off unless
+  ``--cors-origins``.
+- Connections (``GuardedH11Protocol``, uvicorn's h11 protocol with two guards): a
+  request's headers must arrive within ``--header-timeout-seconds`` of the connection's
+  opening or of the previous response's end (else a 408 and the connection is closed); a
+  request on a connection beyond ``--max-connections`` open ones gets a 503 and its
+  connection is closed; an idle keep-alive connection closes after
+  ``--keep-alive-seconds`` (uvicorn's ``timeout_keep_alive``); headers are limited to
+  h11's 16 KiB.
 - Every error is an OpenAI error body (``server.errors``); generation requests are counted
-  in ``nodraft_requests_total{endpoint,method,status}``.
+  in ``nodraft_requests_total{endpoint,method,status}``; a client that goes away before
+  its response is complete, while uploading its body included, counts as 499.
 - SIGTERM (or Ctrl-C) drains: ``/ready`` and new requests answer 503, in-flight requests
   run to their end for up to ``--drain-seconds``, then whatever is left is cancelled (its
   stream ends cleanly, finish reason ``cancelled``), the engine process is stopped and the
@@ -30,25 +42,29 @@ this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/C
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import os
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from drafters.registry import Registry, SpeculationError
 from engine.client import EngineClient, EventPump, InprocClient, MPClient
@@ -56,8 +72,9 @@ from engine.core import EngineStopped, QueueFull
 from engine.process import EngineConfig
 from micro.checkpoint import available_models, load_config, load_tokenizer
 from micro.model import MicroConfig
+from server.admission import Admission, Observers
 from server.api import router
-from server.errors import APIError, error_response, handle_exception
+from server.errors import APIError, error_body, error_response, handle_exception
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -66,22 +83,35 @@ log = logging.getLogger("nodraft.server")
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after draining: for responses still being written
 STATIC = Path(__file__).parent / "static"  # the playground page (issue 9)
+T = TypeVar("T")
 
 
 class Service:
     """What the routes use: model configs, tokenizer, drafter registry, engine client,
-    metrics. The API process holds no weights: the engine (its own process by default)
-    loads them."""
+    metrics, admission (``server.admission``) and the text worker. The API process holds no
+    weights: the engine (its own process by default) loads them.
+
+    ``max_prompt_bytes``: a prompt text of more UTF-8 bytes cannot fit in the context
+    whatever it says: it would be more than ``context - 1`` tokens of at most
+    ``longest_token_bytes`` each (the longest token user text can produce).
+
+    ``off_loop(fn, ...)`` runs text work -- tokenising, the chat template -- on ONE worker
+    thread: the tokenizer releases the GIL while it runs, so the event loop keeps serving
+    meanwhile, and one worker keeps the tokenizer to one thread (its special-token switch
+    is per tokenizer) and this process to the one core it is pinned to."""
 
     def __init__(self, settings: Settings, registry: Registry | None = None):
         self.settings = settings
         self.registry = registry or Registry()
         self.metrics = Metrics()
+        self.admission = Admission(settings.max_running + settings.max_waiting)
         self.models: dict[str, MicroConfig] = {}
         self.created: dict[str, int] = {}
         self.tokenizer = None
         self.client: EngineClient | None = None
         self.context = 0
+        self.longest_token_bytes = 0
+        self.text_worker = ThreadPoolExecutor(1, thread_name_prefix="nodraft-text")
         self.draining = False
         self.checkpoint_dir = Path(self.settings.checkpoints)
         self.on_fatal: Callable[[], None] | None = None  # the engine died: exit non-zero
@@ -103,18 +133,36 @@ class Service:
         self.created = {name: int((directory / f"{name}.safetensors").stat().st_mtime)
                         for name in names}
         self.context = min(c.max_positions for c in self.models.values())
+        special = set(self.tokenizer.special_ids.values())
+        self.longest_token_bytes = max(len(self.tokenizer.token_bytes(i))
+                                       for i in range(self.tokenizer.vocab_size)
+                                       if i not in special)
         self.registry.parse(self.settings.speculation)  # a bad default fails at start-up
+        # every drafter's module now, while the engine starts, not at a first request
+        imports = asyncio.ensure_future(asyncio.to_thread(self.registry.describe))
         config = EngineConfig(str(directory), self.registry.targets(),
                               self.settings.max_running, self.settings.max_waiting,
                               self.engine_threads, self.settings.compile,
                               self.settings.gemm, self.engine_cores, self.settings.log_level)
         kind = MPClient if self.settings.engine_process else InprocClient
-        self.client = kind(config, self.metrics)
+        self.client = kind(config, Observers(self.metrics, self.admission))
         self.client.on_death = self._engine_died
-        await self.client.start()
+        try:
+            await self.client.start()
+        finally:
+            await imports
         where = (f"an engine process (pid {self.client.pid})" if self.settings.engine_process
                  else "an engine thread")
         log.info("nodraft: serving %s from %s on %s", ", ".join(names), directory, where)
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return (self.context - 1) * self.longest_token_bytes
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the text worker (class docstring)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.text_worker, functools.partial(fn, *args))
 
     def _engine_died(self, reason: str) -> None:
         log.error("nodraft: %s; every request in flight has failed, and the server exits "
@@ -159,20 +207,23 @@ class Service:
         self.draining = True
         if self.client is not None:
             await self.client.shutdown()
+        self.text_worker.shutdown(wait=False, cancel_futures=True)
 
 
 class ApiKeyAuth:
-    """``/v1/*`` requires ``Authorization: Bearer KEY``."""
+    """``/v1/*`` requires ``Authorization: Bearer KEY``; the scheme is case-insensitive
+    (RFC 9110), the key compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] == "http" and scope["path"].startswith("/v1/")
                 and scope["method"] != "OPTIONS"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, key = Headers(scope=scope).get("authorization", "").strip().partition(" ")
+            if not (hmac.compare_digest(key.strip().encode(), self.expected)
+                    and scheme.lower() == "bearer"):
                 err = APIError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error_response(err)(scope, receive, send)
@@ -181,11 +232,13 @@ class ApiKeyAuth:
 
 
 class BodyLimit:
-    """Bodies over ``max_bytes`` get a 413 (declared by Content-Length or counted as they
-    arrive); the body is read here and handed on whole."""
+    """Reads a request's body whole and hands it on: over ``max_bytes`` (declared by
+    Content-Length or counted as it arrives) it gets a 413; not all there within
+    ``timeout`` seconds, a 408 (and the connection is closed). A client that goes away
+    while sending is marked gone (``client_gone``: counted as 499, not as an error)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -198,17 +251,25 @@ class BodyLimit:
             await too_large(scope, receive, send)
             return
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left while sending
+                        scope.setdefault("state", {})["client_gone"] = True
+                        return
+                    chunks.append(message.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_bytes or not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            late = APIError(408, f"the request body did not arrive within {self.timeout:g} s",
+                            code="request_timeout", headers={"Connection": "close"})
+            await error_response(late)(scope, receive, send)
+            return
+        if size > self.max_bytes:
+            await too_large(scope, receive, send)
+            return
         body, handed = b"".join(chunks), False
 
         async def replay() -> Message:
@@ -270,7 +331,8 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     for exc in (APIError, RequestValidationError, HTTPException, SpeculationError, QueueFull,
                 EngineStopped, Exception):
         app.add_exception_handler(exc, handle_exception)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       timeout=settings.body_timeout_seconds)
     if settings.api_key is not None:  # checked before the body is read
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key.get_secret_value())
     app.add_middleware(RequestCounter, metrics=service.metrics)
@@ -307,11 +369,100 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, with the two guards uvicorn lacks (``configured`` sets them):
+
+    - ``header_timeout``: a request's headers must be complete within this many seconds of
+      the connection's opening or of the previous response's end, else the server answers
+      408 and closes the connection (uvicorn waits for headers forever: a client trickling
+      them holds a connection as long as it likes);
+    - ``max_connections``: a request on a connection beyond this many open ones gets an
+      OpenAI 503 (``Retry-After: 1``) and its connection is closed (uvicorn's own
+      ``limit_concurrency`` answers in plain text).
+    """
+
+    header_timeout = 10.0
+    max_connections = 512
+
+    @classmethod
+    def configured(cls, settings: Settings) -> type["GuardedH11Protocol"]:
+        return type(cls.__name__, (cls,), {"header_timeout": settings.header_timeout_seconds,
+                                           "max_connections": settings.max_connections})
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+        app, connections, cap = self.app, self.connections, self.max_connections
+
+        async def capped(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] == "http" and len(connections) > cap:
+                full = APIError(503, f"the server has {len(connections)} connections open, "
+                                f"more than the {cap} it serves at once; retry shortly",
+                                code="too_many_connections",
+                                headers={"Retry-After": "1", "Connection": "close"})
+                await error_response(full)(scope, receive, send)
+                return
+            await app(scope, receive, send)
+
+        self.app = capped
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # no request yet, or its headers unfinished
+            self._await_headers()
+        else:
+            self._headers_done()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+            self._await_headers()  # keep-alive: the next request's headers
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_done()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _headers_done(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        body = JSONResponse(error_body(
+            f"the request's headers did not arrive within {self.header_timeout:g} s",
+            "invalid_request_error", code="request_timeout")).body
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json"
+                             b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+        self.transport.close()
+
+
+def uvicorn_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's configuration for ``app`` under ``settings`` (the guarded protocol, the
+    keep-alive timeout); ``overrides`` replace any of uvicorn's options."""
+    options: dict[str, Any] = dict(
+        host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_keep_alive=settings.keep_alive_seconds,
+        http=GuardedH11Protocol.configured(settings))
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
 def serve(settings: Settings, registry: Registry | None = None) -> None:
     app = create_app(settings, registry)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, lifespan="on",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    config = uvicorn_config(app, settings)
     service = app.state.service
     if service.api_cores:  # the engine process has cores of its own; the event loop keeps this
         os.sched_setaffinity(0, service.api_cores)

@@ -16,7 +16,13 @@ start of a new turn (``<|system|>``, ``<|user|>``, ``<|assistant|>``); none of t
 markers appears in the returned text.
 
 Markers exist only where the template puts them: message text is encoded with special
-tokens off, so a user who types ``<|end|>`` gets those characters, not the marker.
+tokens off, so a user who types ``<|end|>`` gets those characters, not the marker. A
+message's ``name`` is not rendered: micro saw no names in training, and a name written
+into the text would be text the model has to continue.
+
+``render`` tokenises every message in one ``encode_batch`` call, which releases the GIL
+while the tokenizer's Rust code runs: the API calls it on a worker thread
+(``server.api``), so a long chat never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -39,10 +45,12 @@ def render(messages: Iterable[tuple[str, str]], tokenizer: Tokenizer) -> list[in
     """Token ids of the chat prompt for ``(role, content)`` pairs, ending at the
     assistant's marker."""
     special = tokenizer.special_ids
+    messages = list(messages)
+    contents = tokenizer.encode_batch([content for _, content in messages])
     ids: list[int] = []
-    for role, content in messages:
+    for (role, _), content in zip(messages, contents):
         ids.append(special[ROLE_MARKERS[role]])
-        ids.extend(tokenizer.encode(content))
+        ids.extend(content)
         ids.append(special[END])
     ids.append(special[ROLE_MARKERS["assistant"]])
     return ids

@@ -11,9 +11,13 @@ token ids into text:
   start of a stop string is held back until it is known not to be; when a stop string
   appears, the text ends before it, the finish reason is ``stop``, and the sequence is
   cancelled in the engine (its figures still arrive with the engine's ``finish`` event).
-- **Origins.** Each step's tokens are reported as ``accepted`` (an accepted draft token)
-  or ``bonus`` (the target's own token at the end of the pass), with the rejected draft
-  tokens, for the playground.
+- **Origins.** Each token is reported as ``accepted`` (an accepted draft token) or
+  ``bonus`` (the target's own token at the end of the pass), with each step's rejected
+  draft tokens, for the playground. A token is reported once its text is released (held
+  back with it), so the reported tokens' texts always concatenate to the text sent.
+- **Usage.** ``completion_tokens`` counts the tokens whose text was returned: at a stop
+  string, the tokens that begin before it (the one it begins inside included, the
+  tokens past it not, though the engine generated them); otherwise every token emitted.
 
 ``Run.cancel`` -- a client that went away -- aborts every unfinished choice, which frees
 their KV slots before the engine's next step.
@@ -24,7 +28,9 @@ from __future__ import annotations
 import asyncio
 import codecs
 from collections.abc import AsyncIterator
+from bisect import bisect_left
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.client import EngineClient
 from engine.core import Event, GenerationRequest
@@ -37,7 +43,11 @@ class GenerationFailed(RuntimeError):
 
 
 class TextStream:
-    """One choice's text: incremental UTF-8 decoding, then stop strings held back."""
+    """One choice's text: incremental UTF-8 decoding, then stop strings held back.
+
+    Each token fed is remembered with its span of ``text`` (what it completed) and a tag;
+    ``take`` hands out the tokens whose text has been released, ``returned_tokens`` counts
+    the tokens whose text is (or will be) returned."""
 
     def __init__(self, tokenizer: Tokenizer, stops: list[str]):
         self.tokenizer = tokenizer
@@ -46,10 +56,22 @@ class TextStream:
         self.text = ""  # everything decoded so far
         self.sent = 0  # len of the prefix of ``text`` already released
         self.stopped = False  # a stop string was found; nothing more is released
+        self.final = False  # the sequence ended and the decoder was flushed
+        self.starts: list[int] = []  # where each token's text begins in ``text``
+        self.ends: list[int] = []  # and ends
+        self.tags: list[Any] = []
+        self.taken = 0  # tokens handed out by ``take``
 
-    def feed(self, ids: list[int]) -> list[str]:
-        """Decode ``ids``; the text each token completed (possibly "")."""
+    def feed(self, ids: list[int], tags: list[Any] | None = None) -> list[str]:
+        """Decode ``ids`` (each with its tag, for ``take``); the text each token completed
+        (possibly "": a token that ends inside a UTF-8 character)."""
         pieces = [self.decoder.decode(self.tokenizer.token_bytes(i)) for i in ids]
+        at = len(self.text)
+        for i, piece in enumerate(pieces):
+            self.starts.append(at)
+            at += len(piece)
+            self.ends.append(at)
+            self.tags.append((ids[i], None if tags is None else tags[i]))
         self.text += "".join(pieces)
         return pieces
 
@@ -58,8 +80,11 @@ class TextStream:
         ``final``: the sequence has ended; flush the decoder and hold nothing back."""
         if self.stopped:
             return ""
-        if final:
+        if final and not self.final:
+            self.final = True
             self.text += self.decoder.decode(b"", final=True)
+            if self.ends:  # a flushed U+FFFD belongs to the last token
+                self.ends[-1] = len(self.text)
         hit = min((i for s in self.stops if (i := self.text.find(s, self.sent)) >= 0),
                   default=-1)
         if hit >= 0:
@@ -70,6 +95,32 @@ class TextStream:
         else:
             end = len(self.text) - self._held_back()
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    @property
+    def returned_tokens(self) -> int:
+        """Tokens whose text is returned: after a stop string, those that begin before it;
+        else every token fed."""
+        if self.stopped:
+            return bisect_left(self.starts, self.sent)
+        return len(self.starts)
+
+    def take(self) -> list[tuple[int, Any, str]]:
+        """``(id, tag, text)`` of each token whose text has been released since the last
+        call, in order; the token a stop string begins inside gets its text up to the stop,
+        and tokens past a stop are never taken."""
+        if self.stopped:
+            last = self.returned_tokens
+        elif self.final:
+            last = len(self.starts)
+        else:  # the tokens wholly inside the released text
+            last = bisect_left(self.ends, self.sent + 1, lo=self.taken)
+            if self.stops:  # one that completed nothing yet, at the end of the released
+                # text, waits for its character: a stop string may begin with it
+                last = min(last, bisect_left(self.starts, self.sent, lo=self.taken))
+        out = [(*self.tags[i], self.text[self.starts[i]:min(self.ends[i], self.sent)])
+               for i in range(self.taken, last)]
+        self.taken = max(self.taken, last)
         return out
 
     def _held_back(self) -> int:
@@ -91,6 +142,9 @@ class Delta:
     tokens: list[dict] = field(default_factory=list)  # {"id", "text", "origin"}
     rejected: list[dict] = field(default_factory=list)  # {"id", "text"}
     finish_reason: str | None = None
+    # with logprobs asked for: one per token of ``text`` (the echoed prompt's included),
+    # {"id", "text", "logprob" (None for the prompt's first token), "top": [(id, logprob)]}
+    logprobs: list[dict] | None = None
 
 
 @dataclass
@@ -99,18 +153,21 @@ class Choice:
     request: GenerationRequest
     stream: TextStream
     rid: int | None = None  # the engine client's id, once submitted
-    completion_tokens: int = 0
     finish_reason: str | None = None  # set by a stop string before the engine's finish
     stats: SpecStats | None = None
     done: bool = False
+    echoed: bool = False
 
 
 class Run:
     """The sequences of one HTTP request (``n`` choices per prompt), in the engine."""
 
     def __init__(self, client: EngineClient, tokenizer: Tokenizer,
-                 requests: list[GenerationRequest], stops: list[str]):
+                 requests: list[GenerationRequest], stops: list[str], echo: bool = False):
+        """``echo``: each choice's text starts with its prompt (with the prompt's logprobs
+        when its request asks for ``prompt_logprobs``), sent before the first step's."""
         self.client, self.tokenizer = client, tokenizer
+        self.echo = echo
         self.choices = [Choice(i, r, TextStream(tokenizer, stops))
                         for i, r in enumerate(requests)]
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -148,11 +205,17 @@ class Run:
             if ev.kind == "admit":
                 continue
             if ev.kind == "step":
+                if self.echo and not c.echoed:
+                    c.echoed = True
+                    yield self._echo(c, ev.step.prompt_logprobs)
                 yield self._step(c, ev)
             elif ev.kind == "finish":
                 c.done, c.stats = True, ev.stats
                 c.finish_reason = c.finish_reason or ev.finish_reason
-                yield Delta(index, c.stream.release(final=True), finish_reason=c.finish_reason)
+                text = c.stream.release(final=True)
+                taken = c.stream.take()
+                yield Delta(index, text, self._origins(taken), finish_reason=c.finish_reason,
+                            logprobs=self._logprobs(c, taken))
             else:
                 c.done = True
                 self.cancel()
@@ -160,19 +223,49 @@ class Run:
 
     def _step(self, c: Choice, ev: Event) -> Delta:
         step = ev.step
-        c.completion_tokens += len(step.tokens)
         if c.stream.stopped:  # cancelled at a stop string; the engine had already stepped
             return Delta(c.index, "")
-        pieces = c.stream.feed(step.tokens)
+        lps = step.logprobs or [None] * len(step.tokens)
+        c.stream.feed(step.tokens, [("accepted" if i < step.n_accepted else "bonus", lps[i])
+                                    for i in range(len(step.tokens))])
         text = c.stream.release()
         if c.stream.stopped:
             c.finish_reason = "stop"
             self.client.abort(c.rid)
-        tokens = [{"id": t, "text": p, "origin": "accepted" if i < step.n_accepted else "bonus"}
-                  for i, (t, p) in enumerate(zip(step.tokens, pieces))]
         rejected = [{"id": t, "text": self.tokenizer.token_bytes(t).decode("utf-8", "replace")}
                     for t in step.rejected]
-        return Delta(c.index, text, tokens, rejected)
+        taken = c.stream.take()
+        return Delta(c.index, text, self._origins(taken), rejected,
+                     logprobs=self._logprobs(c, taken))
+
+    def _echo(self, c: Choice, prompt_logprobs: list | None) -> Delta:
+        """The prompt as text (``echo``), with its tokens' logprobs when asked for: the
+        first token has none; token texts are decoded incrementally (UTF-8 safe) and
+        concatenate to the echoed text."""
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        ids = c.request.prompt
+        pieces = [decoder.decode(self.tokenizer.token_bytes(t)) for t in ids]
+        if pieces:
+            pieces[-1] += decoder.decode(b"", final=True)
+        text = "".join(pieces)
+        if c.request.logprobs is None:
+            return Delta(c.index, text)
+        scored = [None, *(prompt_logprobs or [])]
+        out = [{"id": t, "text": piece, "logprob": None if lp is None else lp[0],
+                "top": None if lp is None else [tuple(x) for x in lp[1]]}
+               for t, piece, lp in zip(ids, pieces, scored)]
+        return Delta(c.index, text, logprobs=out)
+
+    @staticmethod
+    def _origins(taken: list) -> list[dict]:
+        return [{"id": t, "text": text, "origin": tag[0]} for t, tag, text in taken]
+
+    @staticmethod
+    def _logprobs(c: Choice, taken: list) -> list[dict] | None:
+        if c.request.logprobs is None:
+            return None
+        return [{"id": t, "text": text, "logprob": tag[1][0],
+                 "top": [tuple(x) for x in tag[1][1]]} for t, tag, text in taken]
 
     # -- totals, once finished --------------------------------------------------------------
     def stats(self) -> SpecStats:
@@ -186,4 +279,5 @@ class Run:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(c.completion_tokens for c in self.choices)
+        """Tokens returned, over the choices (``TextStream.returned_tokens``)."""
+        return sum(c.stream.returned_tokens for c in self.choices)

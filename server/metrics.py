@@ -16,7 +16,10 @@ to PromQL:
 
 Labels: ``model`` is the checkpoint; ``method`` is the drafter that proposed (for ``auto``,
 the one it chose at each step); ``position`` counts draft positions from 0 (the first draft
-token after the current token). Drafter errors are labelled by the request's method.
+token after the current token). Drafter errors, ``nodraft_requests_total`` and the
+end-to-end latency are labelled by the method the request asked for (``auto`` included);
+``nodraft_auto_choices_total{model,method}`` counts the steps of ``auto`` requests by the
+drafter it chose (``none``: no draft that step), so ``auto`` has series of its own.
 
 Latencies, per sequence, measured where the API receives the engine's events (so they
 include the trip from the engine process): time to first token from submission to the
@@ -83,7 +86,8 @@ class Metrics:
             registry=r)
         self.requests = Counter(
             "nodraft_requests", "HTTP generation requests by endpoint, speculation method and "
-            "status (499: the client went away).", ["endpoint", "method", "status"], registry=r)
+            "status (499: the client went away, while sending its body included).",
+            ["endpoint", "method", "status"], registry=r)
         self.ttft = Histogram(
             "nodraft_time_to_first_token_seconds", "From submission to the first token.", mm,
             buckets=TTFT_BUCKETS, registry=r)
@@ -93,9 +97,16 @@ class Metrics:
         self.e2e = Histogram(
             "nodraft_e2e_request_latency_seconds", "From submission to the end of a sequence.",
             mm, buckets=E2E_BUCKETS, registry=r)
-        self.running = Gauge("nodraft_requests_running", "Sequences being decoded.", registry=r)
-        self.waiting = Gauge("nodraft_requests_waiting", "Sequences queued for a slot.",
-                             registry=r)
+        self.running = Gauge(
+            "nodraft_requests_running", "Sequences being decoded, all models together (each "
+            "model decodes at most --max-running at once).", registry=r)
+        self.waiting = Gauge(
+            "nodraft_requests_waiting", "Sequences queued for a KV slot, all models together "
+            "(running + waiting + those being prepared stay within --max-running + "
+            "--max-waiting).", registry=r)
+        self.auto_choices = Counter(
+            "nodraft_auto_choices", "Steps of requests that asked for auto, by the drafter "
+            "auto chose for the step (none: it drafted nothing).", mm, registry=r)
         self.drafter_errors = Counter(
             "nodraft_drafter_errors", "Drafter exceptions contained by the engine (the step "
             "fell back to plain decoding).", ["method"], registry=r)
@@ -150,6 +161,8 @@ class Metrics:
                 for _ in range(n):
                     itl.observe(per_token)
             progress.last_token_at = now
+        if progress.request.method == "auto":
+            self.auto_choices.labels(model, step.method).inc()
         after = replace(progress.seen.get(step.method) or SpecStats(step.method))
         after.accepted_by_position = list(after.accepted_by_position)
         after.record(len(step.draft), step.accepted, step.cost)

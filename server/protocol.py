@@ -9,13 +9,24 @@ Extensions, which OpenAI clients pass with ``extra_body`` and ignore in response
   for ``n`` > 1, summed over the choices. When streaming, in the final chunk.
 - stream chunk ``nodraft``: where each token of the step came from --
   ``{"tokens": [{"id", "text", "origin": "accepted" | "bonus"}], "rejected": [...]}`` --
-  for the playground. Token texts concatenate to the choice's text (a token that ends
+  for the playground. A token is reported in the chunk that releases its text, so the
+  tokens' texts concatenate to the choice's text, stop strings included (a token that ends
   inside a UTF-8 character has text "" and the next one carries the character).
 
 Every request model forbids unknown fields: a parameter nodraft cannot honour is a 400
 naming it, never silently ignored. The OpenAI parameters in ``UNSUPPORTED`` are accepted
-only with their neutral value (``presence_penalty: 0``, ``logprobs: null``, ...), which
+only with their neutral value (``presence_penalty: 0``, ``logit_bias: {}``, ...), which
 some clients always send.
+
+JSON types are strict, as OpenAI's are: an integer field takes a JSON integer only (not
+``16.0``, ``"16"`` or ``true``), a boolean field ``true``/``false`` only, a string field a
+string only; a number field takes integers and floats. A lone surrogate (``"\\ud800"``)
+anywhere in the body -- a value or a key, at any depth, ``speculation``'s parameter names
+included -- is a 400 naming where it is, before any other check (``_reject_lone_surrogates``).
+
+Differences from OpenAI's limits: ``stop`` takes up to ``MAX_STOP`` (16) strings of at most
+``MAX_STOP_CHARS`` (256) characters each (OpenAI: 4); a chat message's ``name`` is accepted
+and not rendered (micro's chat template has no place for it: ``server.chat``).
 """
 
 from __future__ import annotations
@@ -23,13 +34,16 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_N = 16
-MAX_STOP = 4
+MAX_STOP = 16  # OpenAI allows 4; lm-eval's code tasks send 6
+MAX_STOP_CHARS = 256  # a stop string's length bounds the text held back at every step
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI: completions 5, chat 20)
+STRICT = ConfigDict(extra="forbid", strict=True)
 
 # parameter -> the values that ask for nothing (accepted and dropped)
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
     "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -64,18 +78,64 @@ def _stop_list(v: str | list[str] | None) -> list[str]:
     stops = [] if v is None else [v] if isinstance(v, str) else list(v)
     if any(s == "" for s in stops):
         raise ValueError("stop strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
     return stops
 
 
+def _has_lone_surrogate(s: str) -> bool:
+    if s.isascii():  # O(1) for a str object
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+_CONTAINERS = frozenset((str, dict, list))
+
+
+def _lone_surrogate(where: tuple, key: bool) -> PydanticCustomError:
+    path = ".".join(map(str, where))
+    return PydanticCustomError(
+        "lone_surrogate", "{what} contains a lone surrogate (an unpaired \\ud800-\\udfff "
+        "escape), which is not valid Unicode",
+        {"what": (f"a key of {path}" if path else "a top-level key") if key
+         else path or "the request body", "param": path or None})
+
+
+def _reject_lone_surrogates(data: Any) -> None:
+    """Raise a ``lone_surrogate`` error (ctx ``param``: the dotted path) for the first key
+    or string in ``data`` holding an unpaired UTF-16 surrogate, which UTF-8 cannot encode
+    (a JSON ``\\udXXX`` escape can smuggle one in). Iterative, so any depth is safe; the
+    keys of a dict are checked before its values, so a reported path holds none."""
+    stack: list[tuple[Any, tuple]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        kind = type(value)
+        if kind is str:
+            if _has_lone_surrogate(value):
+                raise _lone_surrogate(path, key=False)
+        elif kind is dict:
+            if any(type(k) is str and _has_lone_surrogate(k) for k in value):
+                raise _lone_surrogate(path, key=True)
+            stack.extend((v, (*path, k)) for k, v in reversed(value.items())
+                         if type(v) in _CONTAINERS)
+        elif kind is list and any(map(_CONTAINERS.__contains__, map(type, value))):
+            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(value)))
+                         if type(v) in _CONTAINERS)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Request(BaseModel):
     """Fields common to both endpoints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str = Field(description="micro or micro-layerskip (GET /v1/models)",
                        examples=["micro"])
@@ -86,7 +146,8 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: Annotated[Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None,
                     AfterValidator(_stop_list)] = Field(
-        None, description=f"up to {MAX_STOP} strings; the text stops before the first one")
+        None, description=f"up to {MAX_STOP} strings (OpenAI: 4) of at most "
+        f"{MAX_STOP_CHARS} characters; the text stops before the first one")
     n: int = Field(1, ge=1, le=MAX_N, description="independent choices")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,9 +158,11 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_neutral(cls, data: Any) -> Any:
-        """Drop unsupported OpenAI parameters that carry their neutral value; any other
-        value stays and is rejected by ``extra="forbid"``, naming the parameter."""
+    def _screen(cls, data: Any) -> Any:
+        """Reject lone surrogates anywhere; drop unsupported OpenAI parameters that carry
+        their neutral value (any other value stays and is rejected by ``extra="forbid"``,
+        naming the parameter)."""
+        _reject_lone_surrogates(data)
         if isinstance(data, dict):
             data = {k: v for k, v in data.items()
                     if not (k in UNSUPPORTED and any(_same(v, n) for n in UNSUPPORTED[k]))}
@@ -107,25 +170,34 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: (Annotated[Text, Field(max_length=200_000)]
+    # a text's length is checked against the context before it is tokenised (server.api)
+    prompt: (Text
              | Annotated[list[Text], Field(min_length=1, max_length=MAX_N)]
              | Annotated[list[int], Field(min_length=1)]
              | Annotated[list[Annotated[list[int], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_N)]) = Field(
         description="text, a batch of texts, token ids, or a batch of token-id lists")
     max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        "each returned token's logprob and the N most likely alternatives' (up to "
+        f"{MAX_LOGPROBS}), under the target's own distribution (no temperature or top-p)"))
+    echo: bool | None = Field(False, description="the prompt first, in the text (and its tokens' "
+                       "logprobs with logprobs set)")
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    name: Annotated[Text, Field(max_length=256)] | None = Field(
+        None, description="the participant's name: accepted, and not rendered (micro's chat "
+        "template has no place for it)")
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -135,9 +207,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="default: the room left in the "
-                                   "context")
+    max_tokens: int | None = Field(None, ge=1, description="default: the server's "
+                                   "--chat-max-tokens-default, at most the room left in "
+                                   "the context")
     max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens")
+    logprobs: bool | None = Field(False, description="each returned token's logprob, under the "
+                           "target's own distribution (no temperature or top-p)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=(
+        f"with logprobs: the N most likely alternatives per token (up to {MAX_LOGPROBS})"))
 
 
 # -- responses -----------------------------------------------------------------------------
@@ -174,11 +251,21 @@ class Speculation(BaseModel):
     drafter_errors: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    """The completions API's (legacy) format: per token, its text, logprob (null for an
+    echoed prompt's first token), the alternatives by text, and its offset in ``text``."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -196,11 +283,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):

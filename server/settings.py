@@ -32,9 +32,32 @@ class Settings(BaseSettings):
         "method name or a JSON object such as '{\"method\": \"early_exit\", \"exit_layer\": 2}'")
     api_key: SecretStr | None = Field(
         None, description="if set, /v1/* requires `Authorization: Bearer KEY`")
-    max_running: int = Field(32, ge=1, le=256, description="sequences decoded at once")
-    max_waiting: int = Field(64, ge=0, description="sequences queued beyond those (then 429)")
+    max_running: int = Field(
+        32, ge=1, le=256, description="KV slots per model: each model decodes at most this "
+        "many sequences at once (two models: up to twice this many in all, within the "
+        "max-running + max-waiting sequences the server holds)")
+    max_waiting: int = Field(
+        64, ge=0, description="the server holds at most max-running + max-waiting sequences "
+        "in flight, all models together (running, queued for a slot, or being prepared); a "
+        "request beyond that gets a 429 at once")
     max_body_bytes: int = Field(1_000_000, ge=1024, description="request body limit (then 413)")
+    chat_max_tokens_default: int = Field(
+        256, ge=1, description="a chat request without max_tokens or max_completion_tokens "
+        "generates at most this many tokens per choice (and at most the room left in the "
+        "context); completions keep OpenAI's default of 16")
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="a request's headers must arrive within this many seconds "
+        "of its connection opening or of the previous response's end (else the connection "
+        "is closed, after a 408)")
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, description="a request's body must arrive within this many seconds of "
+        "its headers (else 408)")
+    keep_alive_seconds: int = Field(
+        5, ge=1, description="an idle keep-alive connection is closed after this many "
+        "seconds")
+    max_connections: int = Field(
+        512, ge=1, description="open HTTP connections the server serves at once; a "
+        "request on a connection beyond them gets a 503")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins allowed by CORS, comma-separated (default: "
         "none, CORS off)")

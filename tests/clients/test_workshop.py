@@ -16,7 +16,7 @@ BUILTIN_ROWS = {("micro", "none", None), ("micro", "prompt_lookup", None),
 
 
 def check_rows(result: dict, prompts=("fresh", "repeating")) -> None:
-    """Every row has the keys and obeys DESIGN.md's formulas."""
+    """Every row has the keys and obeys the formulas of docs/ARCHITECTURE.md."""
     assert result["rows"]
     for r in result["rows"]:
         assert set(KEYS) <= set(r)

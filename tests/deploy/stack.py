@@ -28,7 +28,7 @@ PROMETHEUS_YML = DEPLOY / "prometheus" / "prometheus.yml"
 RULES_YML = DEPLOY / "prometheus" / "rules.yml"
 NGINX_CONF = DEPLOY / "nginx" / "nginx.conf"
 
-# DESIGN.md's metric names (histograms and counters as Prometheus exposes them).
+# The metric names of docs/ARCHITECTURE.md (histograms and counters as Prometheus exposes them).
 METRICS = {
     "nodraft_spec_draft_tokens_total",
     "nodraft_spec_accepted_tokens_total",
@@ -44,6 +44,7 @@ METRICS = {
     "nodraft_requests_running",
     "nodraft_requests_waiting",
     "nodraft_drafter_errors_total",
+    "nodraft_auto_choices_total",
 }
 
 

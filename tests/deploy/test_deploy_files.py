@@ -55,10 +55,28 @@ def compose() -> dict:
 
 # --- Prometheus -----------------------------------------------------------------------
 
-def test_promtool_check_config(tool):
+LOCAL_YML = DEPLOY / "prometheus" / "local.yml"
+
+
+@pytest.mark.parametrize("config", [PROMETHEUS_YML, LOCAL_YML], ids=["compose", "local"])
+def test_promtool_check_config(tool, config):
     promtool = tool("promtool", "the Debian package prometheus")
-    done = run([promtool, "check", "config", str(PROMETHEUS_YML)])
+    done = run([promtool, "check", "config", str(config)])
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_local_config_scrapes_a_default_nodraft_serve():
+    """deploy/prometheus/local.yml: what `nodraft serve` listens on by default, the bundled
+    rules, and the compose config's intervals."""
+    from server.settings import Settings
+
+    local, bundled = (yaml.safe_load(p.read_text()) for p in (LOCAL_YML, PROMETHEUS_YML))
+    jobs = {j["job_name"]: j for j in local["scrape_configs"]}
+    s = Settings()
+    assert jobs["nodraft"]["static_configs"] == [{"targets": [f"{s.host}:{s.port}"]}]
+    assert jobs["nodraft"]["metrics_path"] == "/metrics"
+    assert [(LOCAL_YML.parent / f).resolve() for f in local["rule_files"]] == [RULES_YML]
+    assert local["global"] == bundled["global"]
 
 
 def test_promtool_check_rules(tool):
@@ -75,7 +93,7 @@ def test_scrape_interval_is_5s_and_rules_are_loaded():
 
 def test_recording_rules_give_the_design_ratios_by_model_and_method():
     """Acceptance rate, tokens per pass and estimated speed-up, each aggregated by
-    (model, method), built from DESIGN.md's counters only."""
+    (model, method), built from the documented counters only."""
     promql = pytest.importorskip("promql_parser", reason="promql-parser (the test extra)")
     rules = {r["record"]: r["expr"] for g in yaml.safe_load(RULES_YML.read_text())["groups"]
              for r in g["rules"]}
@@ -192,7 +210,8 @@ def test_the_issues_panels_are_there_speculation_first():
               "Estimated speed-up by method", "Acceptance by draft position",
               "Drafter errors", "Generated tokens/s", "Requests/s by status",
               "Time to first token (p50/p95/p99)", "Inter-token latency (p50/p95/p99)",
-              "End-to-end request latency (p50/p95/p99)", "Running and waiting requests"]
+              "End-to-end request latency (p50/p95/p99)", "Running and waiting requests",
+              "auto's choices", "Requests/s by method asked"]
     assert titles == wanted
     for title in titles[7:10]:
         exprs = [t["expr"] for p in ordered if p["title"] == title for t in p["targets"]]

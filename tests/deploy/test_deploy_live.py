@@ -63,11 +63,16 @@ def requests_served(base: str) -> float:
                for s in family.samples if s.name == "nodraft_requests_total")
 
 
+# auto among the drafters of METHODS only, so its steps add no method to the picker's list
+AUTO = {"method": "auto", "candidates": "prompt_lookup,suffix"}
+
+
 def send_mix(base: str) -> None:
-    """Every model with every method: a completion, and a streamed chat completion."""
+    """Every model with every method (and auto): a completion, and a streamed chat
+    completion."""
     with httpx.Client(base_url=base, timeout=120) as client:
         for model in MODELS:
-            for speculation in METHODS.values():
+            for speculation in [*METHODS.values(), AUTO]:
                 body = {"model": model, "max_tokens": 24, "temperature": 0,
                         "speculation": speculation}
                 r = client.post("/v1/completions", json={**body, "prompt": PROMPT})

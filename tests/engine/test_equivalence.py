@@ -55,7 +55,7 @@ def test_greedy_equivalence_on_the_trained_checkpoints(trained, name):
     texts = ["def fibonacci(n):\n    ", "The quick brown fox. The quick brown fox. The quick",
              "import os\nimport sys\nimport os\nimport sys\nimport", "class Queue:\n    \"\"\"A"]
 
-    @settings(max_examples=25, deadline=None, derandomize=True,
+    @settings(max_examples=15, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(text=st.sampled_from(texts), cut=st.integers(0, 8), max_tokens=st.integers(1, 48),
            near_limit=st.booleans())

@@ -24,7 +24,7 @@ from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, Registry
 from micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models, save_model
 from micro.model import Micro, MicroConfig
-from server.app import create_app
+from server.app import create_app, uvicorn_config
 from server.settings import Settings
 
 MAX_RUNNING, MAX_WAITING = 4, 4  # the session server's admission limits
@@ -79,14 +79,15 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn serving ``create_app(settings)`` in a background thread, on loopback."""
+    """uvicorn serving ``create_app(settings)`` in a background thread, on loopback, with
+    ``nodraft serve``'s own uvicorn configuration (``server.app.uvicorn_config``)."""
 
     def __init__(self, settings: Settings, registry: Registry | None = None):
         self.app = create_app(settings, registry)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on",
+        config = uvicorn_config(self.app, settings, log_level="warning",
                                 timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

@@ -1,9 +1,12 @@
 """The server with compiled passes (``--compile true``, the default outside the tests): its
 engine process serves while the graphs compile in the background, /health says so, and once
-they are ready it answers greedy requests with the same tokens as the eager server. (What
-the warm-up readies, graph by graph, is tested on the engine itself: tests/engine.)"""
+they are ready it answers greedy requests with the same tokens as the eager server. It
+serves micro-layerskip alone (its trained exits make early exit's graphs matter): the
+warm-up compiles a model's graphs the same way for each. (What the warm-up readies, graph
+by graph, is tested on the engine itself: tests/engine.)"""
 
 import time
+from pathlib import Path
 
 import httpx
 from server_testing import LiveServer
@@ -23,10 +26,25 @@ def _complete(url: str, speculation) -> dict:
     return r.json()
 
 
-def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoints, live):
-    settings = Settings(checkpoints=serve_checkpoints, threads=1, compile=True)
+def one_model(checkpoints: Path, name: str, into: Path) -> Path:
+    """A checkpoint folder with ``name`` alone (its weights, record and drafter heads) and
+    the tokenizer, linked to ``checkpoints``'s files."""
+    into.mkdir()
+    for f in checkpoints.iterdir():
+        if f.name == "tokenizer.json" or f.name.startswith(f"{name}.") or (
+                f.name.startswith(f"{name}-") and f.suffix in (".safetensors", ".json")):
+            (into / f.name).symlink_to(f)
+    return into
+
+
+def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoints, live,
+                                                                 tmp_path):
+    checkpoints = one_model(serve_checkpoints, "micro-layerskip", tmp_path / "checkpoints")
+    settings = Settings(checkpoints=checkpoints, threads=1, compile=True)
     with LiveServer(settings) as server:
         first = httpx.get(server.url + "/health").json()
+        served = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in served] == ["micro-layerskip"]
         assert first["compiled"] in ("warming", "ready")
         early = _complete(server.url, "none")  # served at once, eager or compiled
         end = time.monotonic() + 600

@@ -1,4 +1,4 @@
-"""/metrics: DESIGN.md's names, counters that add up to the responses' figures, and a clean
+"""/metrics: the metric names of docs/ARCHITECTURE.md, counters that add up to the responses' figures, and a clean
 ``promtool check metrics``."""
 
 from __future__ import annotations
@@ -73,6 +73,26 @@ def test_counters_equal_the_responses(live, method):
         assert got == want, f"position {pos}"
     # requests are counted once the response is complete
     assert wait_for(lambda: metric(url, "nodraft_requests_total", status="200") == ok_before + 2)
+
+
+def test_auto_has_series_of_its_own(live):
+    """auto's steps, by the drafter it chose, add up to its requests' target passes, and
+    its requests count under auto."""
+    url = live.url
+    before = metric(url, "nodraft_auto_choices_total", model="micro")
+    asked = metric(url, "nodraft_requests_total", method="auto", status="200")
+    results = run_requests(url, "auto")
+    assert metric(url, "nodraft_auto_choices_total", model="micro") - before == sum(
+        spec["target_passes"] for spec, _ in results)
+    assert wait_for(lambda: metric(url, "nodraft_requests_total", method="auto",
+                                   status="200") == asked + 2)
+    snap = metrics(url)
+    chosen = {dict(ls)["method"] for (n, ls), _ in snap.items()
+              if n == "nodraft_auto_choices_total"}
+    assert chosen and "auto" not in chosen and chosen <= set(Registry().names())
+    before_none = metric(url, "nodraft_auto_choices_total", model="micro")
+    run_requests(url, "none")  # other methods' steps are not auto's
+    assert metric(url, "nodraft_auto_choices_total", model="micro") == before_none
 
 
 def test_labels_by_model_and_method(live):

@@ -72,6 +72,79 @@ def test_streamed_text_is_the_text_before_the_first_stop(text, stops, cut):
     assert stopped == bool(hits)
 
 
+def test_tokens_are_taken_with_their_text_and_counted_to_the_stop():
+    """A token is handed out once its text is released (held back with it); at a stop
+    string the token it begins inside is cut there and counted, the tokens past it are
+    neither handed out nor counted."""
+    ts = TextStream(ByteTokens(), ["END"])
+    ts.feed(list(b"abE"), ["a", "b", "c"])
+    assert ts.release() == "ab"
+    assert ts.take() == [(ord("a"), "a", "a"), (ord("b"), "b", "b")]  # "E" held back
+    ts.feed(list(b"N"), ["d"])
+    assert ts.release() == "" and ts.take() == []
+    ts.feed(list(b"Dzz"), ["e", "f", "g"])
+    assert ts.release() == "" and ts.stopped
+    assert ts.take() == [] and ts.returned_tokens == 2  # "E", "N", "D", "z", "z" not returned
+
+
+def test_token_straddling_the_stop_is_cut_and_counted():
+    class Words:  # token i is the i-th word
+        words = [b"ab", b"cEN", b"Dx", b"yy"]
+
+        def token_bytes(self, i: int) -> bytes:
+            return self.words[i]
+    ts = TextStream(Words(), ["END"])
+    ts.feed([0, 1, 2, 3], ["accepted", "accepted", "bonus", "bonus"])
+    assert ts.release() == "abc" and ts.stopped
+    assert ts.take() == [(0, "accepted", "ab"), (1, "accepted", "c")]
+    assert ts.returned_tokens == 2
+
+
+def test_partial_character_tokens():
+    """A token that ends inside a character has text ""; with stop strings it waits for
+    its character (a stop string may begin with it), without them it goes at once."""
+    e_acute = "é".encode()
+    for stops, first, second in (([], ["a", ""], ["é"]), (["zz"], ["a"], ["", "é"])):
+        ts = TextStream(ByteTokens(), stops)
+        ts.feed([ord("a"), e_acute[0]])
+        assert ts.release() == "a"
+        assert [text for _, _, text in ts.take()] == first
+        ts.feed([e_acute[1]])
+        assert ts.release() == "é"
+        assert [text for _, _, text in ts.take()] == second
+        ts.feed([0xE6])  # truncated at the end: the flushed U+FFFD belongs to its token
+        assert ts.release(final=True) == "\ufffd"
+        assert [text for _, _, text in ts.take()] == ["\ufffd"]
+        assert ts.returned_tokens == 4
+    ts = TextStream(ByteTokens(), ["é"])  # the stop begins in a token that completed nothing
+    ts.feed([ord("a"), e_acute[0]])
+    assert ts.release() == "a" and [text for _, _, text in ts.take()] == ["a"]
+    ts.feed([e_acute[1], ord("b")])
+    assert ts.release() == "" and ts.stopped and ts.take() == [] and ts.returned_tokens == 1
+
+
+@given(st.text(max_size=30), st.lists(st.text(min_size=1, max_size=3), max_size=3),
+       st.lists(st.integers(1, 5), max_size=20))
+def test_taken_tokens_spell_the_returned_text(text, stops, cut):
+    """Whatever the cuts: the taken tokens' texts concatenate to the text returned, and
+    there are exactly ``returned_tokens`` of them: the tokens that begin before the stop."""
+    data = text.encode()
+    ts, out, taken, i = TextStream(ByteTokens(), stops), "", [], 0
+    for n in cut + [len(data)]:
+        ts.feed(list(data[i:i + n]))
+        out += ts.release()
+        taken += ts.take()
+        i += n
+        if ts.stopped:
+            break
+    out += ts.release(final=True)
+    taken += ts.take()
+    assert "".join(t for _, _, t in taken) == out
+    assert len(taken) == ts.returned_tokens
+    if ts.stopped:  # the byte-tokens that begin before the stop string
+        assert ts.returned_tokens == len(out.encode())
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_tokenizer()
@@ -89,6 +162,17 @@ def test_chat_template(tokenizer):
 def test_chat_markers_typed_by_a_user_stay_text(tokenizer):
     ids = chat.render([("user", "<|end|>")], tokenizer)
     assert ids.count(tokenizer.special_ids["<|end|>"]) == 1
+
+
+def test_chat_template_tokenises_like_encode(tokenizer):
+    """render's one encode_batch call (which releases the GIL) gives what encode gives."""
+    messages = [("system", "Be brief."), ("user", ""), ("assistant", "naïve <|user|> 日本"),
+                ("developer", "x" * 3000)]
+    special = tokenizer.special_ids
+    want = []
+    for role, content in messages:
+        want += [special[chat.ROLE_MARKERS[role]], *tokenizer.encode(content), special["<|end|>"]]
+    assert chat.render(messages, tokenizer) == want + [special["<|assistant|>"]]
 
 
 def test_settings_env_then_flags(monkeypatch, tmp_path):
@@ -132,5 +216,8 @@ def test_serve_help(capsys):
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--speculation", "--api-key", "--max-running",
                  "--max-waiting", "--max-body-bytes", "--cors-origins", "--checkpoints",
-                 "--drain-seconds", "--threads", "--stream-interval-ms"):
+                 "--drain-seconds", "--threads", "--stream-interval-ms",
+                 "--chat-max-tokens-default", "--header-timeout-seconds",
+                 "--body-timeout-seconds", "--keep-alive-seconds", "--max-connections"):
         assert flag in out
+    assert "KV slots per model" in " ".join(out.split())  # what --max-running bounds
