@@ -35,7 +35,7 @@ The numbers differ from eager micro in the last bits (fused reductions), as eage
 already differs between a 1-row and a k-row pass. Prompts are prefilled eagerly, and a
 pass whose family is not compiled yet (or whose cached prefix is under two rows) runs
 eager. Speculative and plain greedy decoding stay token-for-token equal all the same:
-tests/engine/test_compiled.py runs every drafter on both checkpoints with compiled
+tests/engine/test_compiled.py runs every drafter on micro-layerskip with compiled
 passes.
 """
 

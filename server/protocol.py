@@ -2,11 +2,12 @@
 
 Extensions, which OpenAI clients pass with ``extra_body`` and ignore in responses:
 
-- request ``speculation``: a drafter name or ``{"method": ..., **params}`` (DESIGN.md);
-  absent or null means the server's default. ``top_k`` (0 = no limit), as vLLM has it.
+- request ``speculation``: a drafter name or ``{"method": ..., **params}`` (each drafter's
+  ``Params``, listed by ``GET /v1/models``); absent or null means the server's default. ``top_k`` (0 = no limit), as vLLM has it.
 - response ``speculation``: the request's figures (drafted, accepted, acceptance_rate,
-  target_passes, tokens_per_pass, draft_cost, estimated_speedup, accepted_by_position);
-  for ``n`` > 1, summed over the choices. When streaming, in the final chunk.
+  target_passes, tokens_per_pass, draft_cost, estimated_speedup, accepted_by_position;
+  defined in docs/ARCHITECTURE.md, "Words, formulas and metric names"); for ``n`` > 1,
+  summed over the choices. When streaming, in the final chunk.
 - stream chunk ``nodraft``: where each token of the step came from --
   ``{"tokens": [{"id", "text", "origin": "accepted" | "bonus"}], "rejected": [...]}`` --
   for the playground. A token is reported in the chunk that releases its text, so the

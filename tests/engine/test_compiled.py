@@ -94,11 +94,12 @@ def test_short_contexts_and_cold_families_run_eager(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def compiled_models(checkpoint_dir):
-    return {name: load_model(name, checkpoint_dir).compile()
-            for name in ("micro", "micro-layerskip")}
+    return {name: load_model(name, checkpoint_dir).compile() for name in ("micro-layerskip",)}
 
 
-@pytest.mark.parametrize("name", ["micro", "micro-layerskip"])
+# micro-layerskip: its trained exits make early exit accept, so every graph family runs
+# (both checkpoints share the graphs' code; only the weights differ)
+@pytest.mark.parametrize("name", ["micro-layerskip"])
 def test_greedy_equivalence_with_compiled_passes(compiled_models, checkpoint_dir, name):
     model = compiled_models[name]
     eager = load_model(name, checkpoint_dir)

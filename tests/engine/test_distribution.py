@@ -88,11 +88,10 @@ T1 = {"temperature": 1.0}
 FILTERED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}
 BOTH = [(*c, T1) for c in CASES] + [(*c, FILTERED) for c in CASES if c[0] in
                                      ("early_exit", "fixed_tree", "random_chain_q", "eagle")]
-# Seeded: every case. Unseeded: one case per branch of the rejection rule -- a plain draw,
-# deterministic chains, a chain with q, deterministic trees (the sibling rule) -- since the
-# drafters reach the rule only through those.
-UNSEEDED = {"none", "prompt_lookup", "early_exit", "random_chain_q", "fixed_tree", "medusa"}
-PARAMS = [(*c, True) for c in BOTH] + [(*c, False) for c in BOTH if c[0] in UNSEEDED]
+# Unseeded (the rejection rule): every case. Seeded: plain sampling only -- with a seed every
+# drafter's text IS plain sampling's, which test_every_case_samples_plain_samplings_text
+# checks here, seed by seed, and tests/engine/test_invariance.py on the checkpoints.
+PARAMS = [(*c, False) for c in BOTH] + [(*c, True) for c in BOTH if c[0] == "none"]
 
 
 def test_every_registered_method_is_covered():
@@ -112,3 +111,17 @@ def test_sampled_tokens_follow_the_target_distribution(method, params, cls, sp_a
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("method,params,cls,sp_args", BOTH,
+                         ids=[f"{c[0]}{c[1] or ''}-{c[3]}" for c in BOTH])
+def test_every_case_samples_plain_samplings_text(method, params, cls, sp_args):
+    """Seeded, each case's first tokens are plain sampling's with the same seed (so their
+    distribution is the one the seeded chi-square test checks for ``none``)."""
+    shared: dict = {}
+    for i in range(100):
+        sp = SamplingParams(seed=i, **sp_args)
+        want, _, _ = generate(MODEL, PROMPT, 4, "none", None, sp)
+        got, _, _ = generate(MODEL, PROMPT, 4, None if cls else method, params, sp,
+                             shared=shared, drafter=cls() if cls else None)
+        assert got == want, (method, params, i)

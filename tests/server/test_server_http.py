@@ -79,8 +79,9 @@ BAD = [  # (request body or raw bytes, status, param)
     (body(speculation={"method": "early_exit", "exit_layer": 9}), 400, "speculation"),
     (body(speculation={"method": "prompt_lookup", "bogus": 1}), 400, "speculation.bogus"),
     (body(speculation=[1]), 400, "speculation"),
-    (body(logprobs=1), 400, "logprobs"),
-    (body(echo=True), 400, "echo"),
+    (body(logprobs=21), 400, "logprobs"),  # at most 20 alternatives
+    (body(logprobs=True), 400, "logprobs"),  # completions take an integer (chat: a boolean)
+    (body(echo="yes"), 400, "echo"),
     (body(best_of=3), 400, "best_of"),
     (body(presence_penalty=0.5), 400, "presence_penalty"),
     (body(logit_bias={"1": 5}), 400, "logit_bias"),
@@ -152,6 +153,14 @@ def test_bad_completion_requests(http, payload, status, param):
      "messages"),  # ~1 MB: over the text limit, never tokenised
     ({"model": "micro", "messages": [{"role": "user", "content": "hi"}], "max_tokens": True},
      "max_tokens"),
+    ({"model": "micro", "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
+     "logprobs"),  # chat takes a boolean
+    ({"model": "micro", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+      "top_logprobs": 21}, "top_logprobs"),
+    ({"model": "micro", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     "top_logprobs"),  # without logprobs: true
+    ({"model": "micro", "messages": [{"role": "user", "content": "hi"}], "echo": True},
+     "echo"),  # completions only, as OpenAI
 ])
 def test_bad_chat_requests(http, payload, param):
     r = post_json(http, "/v1/chat/completions", payload)

@@ -113,8 +113,8 @@ def test_client_errors(client):
                                   extra_body={"speculation": "medusa-of-doom"})
     assert "prompt_lookup" in str(e.value)  # lists what exists
     with pytest.raises(BadRequestError) as e:
-        client.completions.create(model="micro", prompt="x", max_tokens=1, logprobs=2)
-    assert e.value.body["param"] == "logprobs"
+        client.completions.create(model="micro", prompt="x", max_tokens=1, best_of=2)
+    assert e.value.body["param"] == "best_of"  # not supported: named, never ignored
 
 
 def test_retrieve_model(client):
