@@ -601,6 +601,7 @@ class Eagle:
                 cd = drafts[self.loaded.path] = CompiledDraft(self.loaded, compiled)
         return cd
 
+    @torch.inference_mode()  # inputs as propose makes them (dynamo guards dispatch keys)
     def warm_up(self, cache) -> float:
         """Compile this drafter's draft step (its tree shape, one-row and several-row
         catch-ups) on a scratch draft cache as long as ``cache``'s rows; the server calls it
@@ -760,6 +761,10 @@ class CompiledDraft:
         indices) with the catch-up's keys and values written and ``st`` advanced; None when
         this shape is not compiled yet (the caller drafts eager)."""
         T = h.shape[0]
+        # views into a longer tensor carry a storage offset, which dynamo guards on: inputs
+        # start at offset 0 always, as the warm-up's do, so no request recompiles the graph
+        h = h.clone() if h.storage_offset() else h
+        next_tokens = next_tokens.clone() if next_tokens.storage_offset() else next_tokens
         shape = (depth, top_k, keep, T > 1, tuple(st.k.shape), h.dtype)
         fresh = shape not in self._ready
         if fresh and not (self.compiled.lazy if lazy is None else lazy):

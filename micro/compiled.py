@@ -158,6 +158,7 @@ class CompiledPasses:
         v_slot[:, :, start:start + T] = v_new
         return out, logits
 
+    @torch.inference_mode()
     def warm_up(self, cache, slot: int, early_exit: bool = True) -> float:
         """Compile every family a request can reach on ``cache`` (whose ``slot`` must be
         free: its rows past the committed length are written): full passes of one row and
@@ -171,7 +172,9 @@ class CompiledPasses:
             for E in range(1, L):  # drafting, the last draft token's rows, verification
                 ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, False, 3)]
         start = MIN_CONTEXT + 6
-        # run() is in inference mode, as the engine's passes: the guards see the same keys
+        # inputs made in inference mode, as the engine's passes make them: dynamo guards on
+        # a tensor's dispatch keys, and a graph compiled for a normal tensor would compile
+        # again (on the engine's thread, seconds) at the first real pass
         for lo, hi, head, T in ranges:
             self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
                      lo, hi, cache, slot, start, None, head, compile=True)

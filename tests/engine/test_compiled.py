@@ -163,3 +163,33 @@ def test_a_failed_warm_up_leaves_the_engine_serving_eager(checkpoint_dir):
         assert done.wait(60) and len(tokens) == 6
     finally:
         engine.stop()
+
+
+def test_after_the_warm_up_no_pass_compiles(checkpoint_dir):
+    """The warm-up compiles the graphs the engine's passes use as they are called -- from
+    another thread, in inference mode, at any context length, slot and block size -- so no
+    request compiles one on the engine's thread (a guard on the inputs' dispatch keys once
+    made every first real pass recompile: seconds, on a server that said "ready")."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    model = load_model("micro", checkpoint_dir).compile(lazy=False)
+    model.compiled.warm_up(KVCache(model.config, 2), 0, early_exit=False)
+    graphs = counters["stats"]["unique_graphs"]
+    cache = KVCache(model.config, 2)
+    ids = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
+    ready = set(model.compiled._ready)
+
+    def passes():
+        with torch.inference_mode():
+            model(ids[None, :37], cache=cache, slot=1)
+            cache.advance(1, 37)
+            for T in (1, 4, 1, 6, 2):
+                model.verify_pass(ids[:T], cache, 1, cache.lengths[1])
+                cache.advance(1, T)
+    thread = threading.Thread(target=passes)
+    thread.start()
+    thread.join()
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert model.compiled._ready == ready  # the warmed families, and they ran

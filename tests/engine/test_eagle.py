@@ -314,6 +314,7 @@ def test_the_server_warm_up_compiles_the_default_draft_step(env):
     model.compiled.warm_up = lambda cache, slot, early_exit=True: 0.0  # the target's: elsewhere
     engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=1)
     engine.checkpoint_dir = env.checkpoint_dir
+    threads = torch.get_num_threads()
     ctx = prefilled([7, 1, 30, 22, 5, 5, 61, 40, 9])
     ctx.model = model
     drafter = Eagle(Eagle.Params(), DrafterEnv("tiny", model, {}, checkpoint_dir=env.checkpoint_dir))
@@ -328,7 +329,22 @@ def test_the_server_warm_up_compiles_the_default_draft_step(env):
         p = Eagle.Params()
         assert {s[:4] for s in cd._ready} == {(p.depth, p.top_k, p.total_tokens - 1, False),
                                              (p.depth, p.top_k, p.total_tokens - 1, True)}
+        # and a request's drafts run those graphs without compiling again (inputs made in
+        # inference mode, as the warm-up's are)
+        from torch._dynamo.utils import counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        torch.set_num_threads(1)  # as the engine steps a lone sequence (and compiles)
+        fresh = Eagle(Eagle.Params(), DrafterEnv("tiny", model, {},
+                                                 checkpoint_dir=env.checkpoint_dir))
+        ctx2 = prefilled([7, 1, 30, 22, 5, 5, 61, 40, 9, 12, 4])
+        ctx2.model = model
+        for _ in range(3):
+            d = fresh.propose(ctx2, 64)
+            commit(ctx2, [], 3)
+        assert len(d) and counters["stats"]["unique_graphs"] == graphs
     finally:
+        torch.set_num_threads(threads)
         engine.stop()
 
 
