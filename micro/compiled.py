@@ -130,6 +130,11 @@ class CompiledPasses:
         T = h.shape[0]
         if start < MIN_CONTEXT:
             return None
+        # dynamo guards on storage offsets: a view into a longer tensor (early exit's mask is
+        # a slice of the block's) would compile the graph again; inputs start at offset 0
+        h, pos = _offset0(h), _offset0(pos)
+        if mask is not None:
+            mask = _offset0(mask)
         family = (lo, hi, head, T > 1, tuple(cache.k.shape), h.dtype)
         fresh = family not in self._ready
         if fresh and not (self.lazy if compile is None else compile):
@@ -179,6 +184,11 @@ class CompiledPasses:
             self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
                      lo, hi, cache, slot, start, None, head, compile=True)
         return time.perf_counter() - t0
+
+
+def _offset0(x: Tensor) -> Tensor:
+    """``x``, copied if it is a view that starts past its storage's first element."""
+    return x.clone() if x.storage_offset() else x
 
 
 def transposed_weights(model) -> dict[str, Tensor]:

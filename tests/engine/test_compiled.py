@@ -174,20 +174,36 @@ def test_after_the_warm_up_no_pass_compiles(checkpoint_dir):
 
     from torch._dynamo.utils import counters
 
+    # one thread in both, as Engine.warm_up and a lone sequence's step run (the thread
+    # count is part of dynamo's guards, and per thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     model = load_model("micro", checkpoint_dir).compile(lazy=False)
-    model.compiled.warm_up(KVCache(model.config, 2), 0, early_exit=False)
+    try:
+        model.compiled.warm_up(KVCache(model.config, 2), 0, early_exit=False)
+    finally:
+        torch.set_num_threads(threads)
     graphs = counters["stats"]["unique_graphs"]
     cache = KVCache(model.config, 2)
     ids = torch.randint(0, model.config.vocab_size, (60,), generator=torch.Generator().manual_seed(0))
     ready = set(model.compiled._ready)
 
     def passes():
+        torch.set_num_threads(1)
         with torch.inference_mode():
             model(ids[None, :37], cache=cache, slot=1)
             cache.advance(1, 37)
             for T in (1, 4, 1, 6, 2):
                 model.verify_pass(ids[:T], cache, 1, cache.lengths[1])
                 cache.advance(1, T)
+            # a mask that is a view past its storage's start, as early exit's verification
+            # passes one (a slice of the block's (T, start + T) mask)
+            n = cache.lengths[1]
+            sliced = model.block_mask(3, n, None)[:, n:]
+            assert sliced.storage_offset() > 0
+            L = model.config.n_layers
+            assert model.compiled.run(model.embed(ids[:3]), torch.arange(n, n + 3), 0, L,
+                                      cache, 1, n, sliced, head=True) is not None
     thread = threading.Thread(target=passes)
     thread.start()
     thread.join()
