@@ -99,19 +99,14 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []
     row = 0
-    if not sp.greedy and noise is not None:
-        depth = [0, *draft.depths()] if tokens else [0]
-        while True:  # rows are visited one per emitted token: their probs only
-            want = noise.draw(target_probs(logits[row], sp), pos + depth[row])
-            nxt = next((c for c in children[row] if tokens[c] == want), None)
-            if nxt is None:
-                return path, want
-            path.append(nxt)
-            row = nxt + 1
-    if sp.greedy:
-        targets = logits.argmax(-1).tolist()
+    if sp.greedy or noise is not None:  # walk to the child that is the target's own token
+        if sp.greedy:
+            target = logits.argmax(-1).tolist().__getitem__
+        else:  # rows are visited one per emitted token: their distributions only
+            depth = [0, *draft.depths()] if tokens else [0]
+            target = lambda r: noise.draw(target_probs(logits[r], sp), pos + depth[r])  # noqa: E731
         while True:
-            want = targets[row]
+            want = target(row)
             nxt = next((c for c in children[row] if tokens[c] == want), None)
             if nxt is None:
                 return path, want

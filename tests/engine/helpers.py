@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import threading
 from importlib import import_module
 from pathlib import Path
 
@@ -79,3 +80,17 @@ def generate(model: Micro, prompt: list[int], max_tokens: int, method: str = "no
             out += r.tokens
             steps.append(r)
     return out, seq, steps
+
+
+def run_all(engine, requests, timeout: float = 120.0) -> list[list]:
+    """Submit ``requests`` to a started engine; each one's events, once all have ended."""
+    events = [[] for _ in requests]
+    dones = [threading.Event() for _ in requests]
+    for i, r in enumerate(requests):
+        def cb(ev, i=i):
+            events[i].append(ev)
+            if ev.kind in ("finish", "error"):
+                dones[i].set()
+        engine.submit(r, cb)
+    assert all(d.wait(timeout) for d in dones)
+    return events

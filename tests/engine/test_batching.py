@@ -1,7 +1,5 @@
 """Continuous batching: packed passes give every sequence exactly what it gets alone."""
 
-import threading
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from engine.scheduler import DraftScheduler, PassTimer, SeqDraftState
 from engine.sequence import tree_attention_mask
 from engine.verify import SamplingParams
 from tests.conftest import TINY, tiny_model
-from tests.engine.helpers import generate
+from tests.engine.helpers import generate, run_all
 
 MODEL = tiny_model()
 
@@ -77,19 +75,6 @@ def float64_engine(**kw) -> Engine:
     for c in engine.caches.values():
         c.k, c.v = c.k.double(), c.v.double()
     return engine
-
-
-def run_all(engine, requests, timeout=120.0):
-    events = [[] for _ in requests]
-    dones = [threading.Event() for _ in requests]
-    for i, r in enumerate(requests):
-        def cb(ev, i=i):
-            events[i].append(ev)
-            if ev.kind in ("finish", "error"):
-                dones[i].set()
-        engine.submit(r, cb)
-    assert all(d.wait(timeout) for d in dones)
-    return events
 
 
 METHODS = [("none", {}), ("prompt_lookup", {}), ("suffix", {}), ("early_exit", {"exit_layer": 2}),

@@ -2,8 +2,6 @@
 seed, model) only -- the same under every drafter, chains and trees, alone and batched, and
 the same as plain sampling with that seed (engine.sampling)."""
 
-import threading
-
 import pytest
 import torch
 
@@ -12,7 +10,7 @@ from engine.core import Engine, GenerationRequest
 from engine.sampling import PositionNoise, derive_seed
 from engine.verify import SamplingParams
 from micro.checkpoint import load_model, load_tokenizer
-from tests.engine.helpers import REGISTRY, generate
+from tests.engine.helpers import REGISTRY, generate, run_all
 
 # every registered drafter with its default parameters (medusa and suffix draft trees,
 # the rest chains), EAGLE's dynamic tree and a deep early exit (test_equivalence sweeps the
@@ -76,17 +74,9 @@ def test_every_drafter_samples_the_text_plain_sampling_samples(trained, prompts,
     assert {"prompt_lookup", "suffix", "early_exit", "medusa", "eagle"} <= methods_that_accepted
 
 
-def run_all(engine, requests, timeout=300.0):
-    events = [[] for _ in requests]
-    dones = [threading.Event() for _ in requests]
-    for i, r in enumerate(requests):
-        def cb(ev, i=i):
-            events[i].append(ev)
-            if ev.kind in ("finish", "error"):
-                dones[i].set()
-        engine.submit(r, cb)
-    assert all(d.wait(timeout) for d in dones)
-    return [[t for e in evs if e.kind == "step" for t in e.step.tokens] for evs in events]
+def outputs(engine, requests) -> list[list[int]]:
+    return [[t for e in evs if e.kind == "step" for t in e.step.tokens]
+            for evs in run_all(engine, requests, timeout=300.0)]
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -107,7 +97,7 @@ def test_in_a_batch_of_eight_mixed_requests_too(trained, prompts, name):
                 m, p = reg.parse({"method": method, **params})
                 requests.append(GenerationRequest(name, prompt, TOKENS, sp, m, p))
                 want.append(generate(model, prompt, TOKENS, sampling=sp, model_name=name)[0])
-            got = run_all(engine, requests)
+            got = outputs(engine, requests)
             for w, g, r in zip(want, got, requests):
                 assert g == w, (name, r.method, r.params, r.sampling)
     finally:
