@@ -1,21 +1,29 @@
-"""A new user's first start, every method: empty caches, a server killed part-way into its
-start, then one started again and sent a 32-token sampled completion of each of five
-methods every few seconds while its passes compile. Run it from a fresh clone's venv.
+"""A new user's first start, every method, then a warm start. Run it from a fresh clone's
+venv; every cache it uses is empty at the start (a temporary folder).
 
-    python benchmarks/first_start_methods.py [--kill-after 20] [--seconds 300] [--every 5]
-                                             [--port 8123]
+    python benchmarks/first_start_methods.py [--kill-after 20] [--seconds 900] [--every 5]
+                                             [--port 8123] [--json-out FILE]
 
-Prints when ``/health`` first answered, then every request's (time since the restart,
-method, status, seconds) and ``/health``'s compile status, and a summary: how many
-requests, how many 200s, and the slowest ones -- a request that waited on a compiler shows
-as seconds where the others take a fraction of one.
+1. **Eager reference**: a ``--compile false`` server; each method's 32-token sampled
+   completion (temperature 0.8, seeded), the median of 3, so the requests below have a
+   latency to be compared with, measured in the same run.
+2. **Cold start**: a server started with empty caches and killed (SIGKILL, its process
+   group: the engine and the build with it) ``--kill-after`` seconds in; then one started
+   again, sent a completion of each of five methods every ``--every`` seconds from its
+   first second until its compiled passes are ready (or ``--seconds`` pass). Reports when
+   ``/health`` first answered, when it said ``ready``, and each method's slowest latency
+   meanwhile against its eager reference.
+3. **Warm start**: that server stopped and a new one started on the same caches: when
+   ``/health`` answered and said ``ready``, and each method's first request after that.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,70 +34,124 @@ import httpx
 METHODS = ("none", "prompt_lookup", "early_exit", "eagle", "auto")
 
 
-def start(port: int, env: dict, log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
+def start(port: int, env: dict, log, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+                             *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
-def probe(url: str, seconds: float, every: float) -> list[tuple]:
-    t0, rows = time.time(), []
-    while time.time() - t0 < seconds:
-        for m in METHODS:
-            t = time.time()
-            body = {"model": "micro-layerskip" if m == "early_exit" else "micro",
-                    "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0.8,
-                    "seed": 1, "speculation": m}
-            try:
-                status = httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
-            except httpx.HTTPError as e:
-                status = type(e).__name__
-            rows.append((round(t - t0, 1), m, status, round(time.time() - t, 3)))
-        try:
-            health = httpx.get(url + "/health", timeout=5).json().get("compiled")
-        except httpx.HTTPError as e:
-            health = type(e).__name__
-        rows.append((round(time.time() - t0, 1), "health", health, 0.0))
-        time.sleep(every)
-    return rows
+def stop(server: subprocess.Popen, sig=signal.SIGTERM) -> None:
+    os.killpg(server.pid, sig)
+    server.wait(timeout=60)
+
+
+def complete(url: str, method: str) -> tuple[int | str, float]:
+    body = {"model": "micro-layerskip" if method == "early_exit" else "micro",
+            "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0.8, "seed": 1,
+            "speculation": method}
+    t = time.time()
+    try:
+        status = httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+    except httpx.HTTPError as e:
+        status = type(e).__name__
+    return status, round(time.time() - t, 3)
+
+
+def health(url: str) -> str | None:
+    try:
+        r = httpx.get(url + "/health", timeout=1)
+        return r.json().get("compiled") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def wait_health(url: str, t0: float, until: str | None, timeout: float) -> tuple[float | None, float | None]:
+    """(seconds until /health answered, seconds until it said ``until``)."""
+    answered = said = None
+    while time.time() - t0 < timeout:
+        h = health(url)
+        if h is not None and answered is None:
+            answered = round(time.time() - t0, 2)
+        if until is None and answered is not None or h == until:
+            said = round(time.time() - t0, 2)
+            break
+        time.sleep(0.1)
+    return answered, said
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--kill-after", type=float, default=20.0)
-    p.add_argument("--seconds", type=float, default=300.0)
+    p.add_argument("--seconds", type=float, default=900.0)
     p.add_argument("--every", type=float, default=5.0)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     caches = tempfile.mkdtemp(prefix="nodraft-first-start-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor",
                TORCH_EXTENSIONS_DIR=f"{caches}/extensions", XDG_CACHE_HOME=f"{caches}/xdg")
+    env.pop("NODRAFT_COMPILE_CACHE", None)
     url = f"http://127.0.0.1:{args.port}"
+    out: dict = {"caches": caches}
     with open(f"{caches}/serve.log", "a") as log:
-        server, t0, healthy = start(args.port, env, log), time.time(), None
-        while time.time() - t0 < args.kill_after:
-            try:
-                if healthy is None and httpx.get(url + "/health", timeout=1).status_code == 200:
-                    healthy = round(time.time() - t0, 1)
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-        print(f"first start: /health answered at {healthy} s; SIGKILL at {args.kill_after} s")
-        server = start(args.port, env, log)
-        try:
-            rows = probe(url, args.seconds, args.every)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-    for row in rows:
-        print(row)
-    requests = [r for r in rows if r[1] != "health"]
-    ok = [r for r in requests if r[2] == 200]
-    print(f"{len(requests)} requests, {len(ok)} answered 200 (the first at {ok[0][0] if ok else None} s); "
-          f"slowest: {sorted(ok, key=lambda r: -r[3])[:5]}; server exit {server.returncode}; "
-          f"caches and log in {caches}")
+        # 1. the eager reference
+        server = start(args.port, env, log, "--compile", "false")
+        wait_health(url, time.time(), None, 120)
+        eager = {}
+        for m in METHODS:
+            complete(url, m)  # its first request: the drafter's state, imports
+            eager[m] = statistics.median(complete(url, m)[1] for _ in range(3))
+        stop(server)
+        out["eager_seconds"] = eager
+        print("eager reference (s):", eager, flush=True)
+
+        # 2. a cold start, killed part-way, then started again and probed until compiled
+        server, t0 = start(args.port, env, log), time.time()
+        answered, _ = wait_health(url, t0, None, args.kill_after)
+        time.sleep(max(0.0, args.kill_after - (time.time() - t0)))
+        stop(server, signal.SIGKILL)
+        print(f"killed start: /health answered at {answered} s; SIGKILL at {args.kill_after} s",
+              flush=True)
+        server, t0 = start(args.port, env, log), time.time()
+        rows, ready = [], None
+        while time.time() - t0 < args.seconds and ready is None:
+            for m in METHODS:
+                status, secs = complete(url, m)
+                rows.append((round(time.time() - t0 - secs, 1), m, status, secs))
+            h = health(url)
+            rows.append((round(time.time() - t0, 1), "health", h, 0.0))
+            print(rows[-1], flush=True)
+            if h == "ready":
+                ready = rows[-1][0]
+            time.sleep(args.every)
+        answered = next((r[0] for r in rows if r[1] == "health" and r[2] is not None), None)
+        stop(server)
+        requests = [r for r in rows if r[1] != "health"]
+        served = [r for r in requests if r[2] == 200]
+        worst = {m: max((r[3] for r in served if r[1] == m), default=None) for m in METHODS}
+        out["cold"] = {"killed_after": args.kill_after, "health": answered, "ready": ready,
+                       "requests": len(requests), "answered_200": len(served),
+                       "refused": len(requests) - len(served), "slowest": worst,
+                       "slowest_over_eager": {m: round(worst[m] / eager[m], 2)
+                                              for m in METHODS if worst[m]},
+                       "rows": rows}
+        print("cold:", {k: v for k, v in out["cold"].items() if k != "rows"}, flush=True)
+
+        # 3. a warm start on the same caches
+        server, t0 = start(args.port, env, log), time.time()
+        answered, ready = wait_health(url, t0, "ready", 300)
+        first = {m: complete(url, m) for m in METHODS}
+        again = {m: complete(url, m)[1] for m in METHODS}
+        stop(server)
+        out["warm"] = {"health": answered, "ready": ready,
+                       "first_request": {m: s for m, (_, s) in first.items()},
+                       "second_request": again,
+                       "statuses": sorted({str(st) for st, _ in first.values()})}
+        print("warm:", out["warm"], flush=True)
+    print(f"caches and log in {caches}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

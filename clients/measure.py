@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from drafters import costs
 from drafters.registry import DrafterEnv, Registry
 from micro.corpus import split_documents
 from micro.model import KVCache, Micro
@@ -65,7 +66,10 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
     if heads is not None:
         env.checkpoint_dir = Path(heads)
     drafter = registry.build(meth, p, env)
-    seq = Sequence(model, KVCache(model.config, 1), 0, prompt, drafter, n_tokens, method=meth)
+    cache = KVCache(model.config, 1)
+    # the measured-cost figures' table: once per model and compiled state, in this cache
+    cost = costs.current(model) or costs.measure(model, cache, 0, 0)
+    seq = Sequence(model, cache, 0, prompt, drafter, n_tokens, method=meth, pass_cost=cost)
     out: list[int] = []
     with torch.inference_mode():
         seq.prefill()

@@ -45,7 +45,8 @@ of draft tokens accepted and an estimated speed-up of 1.54.
 
 ``--json`` prints ``{"tokens", "repeats", "mode", "rows": [...], "skipped": [...]}``; each
 row has the keys model, prompt, method, params, drafted, accepted, acceptance_rate,
-target_passes, tokens_per_pass, draft_cost (per pass), estimated_speedup,
+target_passes, tokens_per_pass, draft_cost (per pass), estimated_speedup (the course's),
+measured_cost_speedup (passes priced by their measured cost; ``engine.stats``),
 measured_speedup, and course (the page's figures for that row, or null).
 """
 
@@ -67,7 +68,7 @@ EXIT_LAYERS = (1, 2, 3)
 ORDER = ("prompt_lookup", "suffix", "medusa", "eagle", "lookahead", "auto")
 KEYS = ("model", "prompt", "method", "params", "drafted", "accepted", "acceptance_rate",
         "target_passes", "tokens_per_pass", "draft_cost", "estimated_speedup",
-        "measured_speedup")
+        "measured_cost_speedup", "measured_speedup")
 
 # The course page's figures for micro: (prompt, method, exit layer) -> figures.
 COURSE = {
@@ -116,6 +117,7 @@ def make_row(model: str, prompt: str, method: str, params: dict, spec: dict,
         "tokens_per_pass": spec["tokens_per_pass"],
         "draft_cost": round(spec["draft_cost"] / passes, 4) if passes else 0.0,
         "estimated_speedup": spec["estimated_speedup"],
+        "measured_cost_speedup": spec.get("measured_cost_speedup"),
         "measured_speedup": round(measured, 4),
         "course": course_figures(model, prompt, method, params),
     }
@@ -289,7 +291,7 @@ def _num(x: float | None) -> str:
 def render(result: dict) -> str:
     """The table, with the course page's figures in brackets beside the measured ones."""
     head = ("model", "prompt", "drafter", "acceptance", "tokens/pass", "draft cost/pass",
-            "est. speed-up", "measured")
+            "est. speed-up", "measured-cost est.", "measured")
     lines = [f"nodraft workshop ({result['mode']}): {result['tokens']} greedy tokens after "
              f"each prompt; measured speed-up = median of {result['repeats']} alternated "
              "runs against none", "[x] = the course page's figure for micro", ""]
@@ -298,7 +300,7 @@ def render(result: dict) -> str:
         course = r["course"] or {}
         acc = "0 drafted" if r["drafted"] == 0 else _pct(r["acceptance_rate"])
         cells = [acc, _num(r["tokens_per_pass"]), _num(r["draft_cost"]),
-                 _num(r["estimated_speedup"])]
+                 _num(r["estimated_speedup"]), _num(r.get("measured_cost_speedup"))]
         for i, key, fmt in ((0, "acceptance_rate", _pct), (1, "tokens_per_pass", _num),
                             (3, "estimated_speedup", _num)):
             if key in course:

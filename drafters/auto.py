@@ -52,7 +52,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +59,8 @@ import torch
 from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, Registry, SpeculationError
 from drafters.suffix import request_index
+from drafters import costs
+from drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
 from micro.model import KVCache
 
 CHEAP = ("prompt_lookup", "suffix")
@@ -106,79 +107,24 @@ class _Estimate:
         return out
 
 
-ROWS = (1, 2, 3, 5, 9, 17)  # the pass sizes timed; between them, linear interpolation
-MAX_ROWS = 65  # the current token and the longest draft auto sends
 MAX_MATCH = 8  # match lengths at or above this share one estimate
 
 
-class PassCost:
-    """Seconds of a target pass over ``rows`` rows, from passes timed on this machine at
-    ``ROWS`` sizes and interpolated. A table, not a line: compiled passes jump from one
-    row to two (another graph) and then grow with the matmuls."""
-
-    def __init__(self, table: dict[int, float]):
-        self.rows = sorted(table)
-        self.secs = [table[r] for r in self.rows]
-        # every size a draft can reach, looked up rather than interpolated per call
-        self.by_rows = [self._interpolate(r) for r in range(MAX_ROWS + 1)]
-
-    def __call__(self, rows: int) -> float:
-        return self.by_rows[rows] if rows <= MAX_ROWS else self._interpolate(rows)
-
-    def _interpolate(self, rows: int) -> float:
-        r, s = self.rows, self.secs
-        if rows <= r[0]:
-            return s[0]
-        for i in range(1, len(r)):
-            if rows <= r[i]:
-                return s[i - 1] + (s[i] - s[i - 1]) * (rows - r[i - 1]) / (r[i] - r[i - 1])
-        return s[-1] + (s[-1] - s[-2]) * (rows - r[-1]) / (r[-1] - r[-2])
-
-
-def _compiled_state(model) -> int:
-    """Changes when the model's compiled graphs do (then passes cost something else)."""
-    return -1 if model.compiled is None else len(model.compiled._ready)
-
-
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
-    """The pass-cost table for this model, measured once per model object in this process
-    (and again when its compiled graphs change). Timed in the request's own KV slot, on
-    the rows past its committed length (scratch until verification overwrites them), so
-    the passes timed are the ones that will run -- the same cache, so the same compiled
-    graphs; a private cache when the slot has no room."""
+    """The pass-cost table for this model (``drafters.costs``), measured once per model
+    object in this process and again when its compiled graphs change. Timed in the
+    request's own KV slot, on the rows past its committed length (scratch until
+    verification overwrites them), so the passes timed are the ones that will run -- the
+    same cache, so the same compiled graphs; a private cache when the slot has no room."""
     model = env.model
-    costs = _COSTS.setdefault(model, {})
-    got = costs.get(_compiled_state(model))
+    got = costs.current(model)
     if got is not None:
         return got
     dtype = model.tok_embeddings.weight.dtype
     if (ctx is not None and ctx.cache.k.dtype == dtype
             and ctx.cache.lengths[ctx.slot] + ROWS[-1] <= ctx.cache.max_len):
-        cache, slot, start = ctx.cache, ctx.slot, ctx.cache.lengths[ctx.slot]
-    else:
-        cache = KVCache(model.config, 1, max_len=64, dtype=dtype)
-        slot, start = 0, 32
-    # the sizes alternate and each keeps its fastest time: on a shared machine the minimum
-    # is the pass's own cost, a median can be another process's
-    times = {rows: float("inf") for rows in ROWS}
-    with torch.inference_mode():
-        for rows in times:  # warm-up
-            model.verify_pass(torch.zeros(rows, dtype=torch.long), cache, slot, start)
-        for _ in range(7):
-            for rows in times:
-                x = torch.zeros(rows, dtype=torch.long)
-                t0 = time.perf_counter()
-                model.verify_pass(x, cache, slot, start)
-                times[rows] = min(times[rows], time.perf_counter() - t0)
-    for i in range(1, len(ROWS)):  # more rows never cost less
-        times[ROWS[i]] = max(times[ROWS[i]], times[ROWS[i - 1]])
-    cost = PassCost(times)
-    costs[_compiled_state(model)] = cost  # the state after timing (a lazy compile may have run)
-    return cost
-
-
-# per model object: measured once per process, whichever request or drafter state comes
-_COSTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        return costs.measure(model, ctx.cache, ctx.slot, ctx.cache.lengths[ctx.slot])
+    return costs.measure(model, KVCache(model.config, 1, max_len=64, dtype=dtype), 0, 32)
 
 
 class Auto:

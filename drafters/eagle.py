@@ -599,13 +599,16 @@ class Eagle:
             cd = drafts.get(self.loaded.path)
             if cd is None:
                 cd = drafts[self.loaded.path] = CompiledDraft(self.loaded, compiled)
+            cd.load()  # the target's artifacts may have been loaded since
         return cd
 
     @torch.inference_mode()  # inputs as propose makes them (dynamo guards dispatch keys)
-    def warm_up(self, cache) -> float:
+    def warm_up(self, cache, compile: bool = True) -> float:
         """Compile this drafter's draft step (its tree shape, one-row and several-row
         catch-ups) on a scratch draft cache as long as ``cache``'s rows; the server calls it
-        after the target's warm-up. Returns the seconds it took (0 without compiled passes)."""
+        after the target's warm-up. ``compile=False``: only run the shapes compiled or
+        loaded already (``CompiledDraft.load``). Returns the seconds it took (0 without
+        compiled passes)."""
         cd = self._compiled_draft(self.loaded.model)
         if cd is None:
             return 0.0
@@ -616,7 +619,7 @@ class Eagle:
         start = 8
         for T in (1, 3):
             cd.step(torch.zeros(T, c.dim, dtype=dtype), torch.zeros(T, dtype=torch.long), st,
-                    start, p.depth, p.top_k, p.total_tokens - 1, 1.0, lazy=True)
+                    start, p.depth, p.top_k, p.total_tokens - 1, 1.0, lazy=compile)
         return time.perf_counter() - t0
 
     # -- propose / observe --------------------------------------------------------------
@@ -740,17 +743,40 @@ class CompiledDraft:
         self._fns: dict[tuple, object] = {}
         self._ready: set[tuple] = set()
         self._inv_t: dict[tuple, Tensor] = {}  # 1 / temperature as a graph input, by value
+        # graphs built ahead of time: saved beside the target's (an artifact build) and
+        # loaded from there, in a folder of this head's own
+        from micro.compiled import Precompiled
+
+        self.precompiled = Precompiled()
+        self.folder = f"eagle-{Path(loaded.path).stem}"
+        if compiled.export_to is not None:
+            self.precompiled.export_to = compiled.export_to / self.folder
+        self._loaded_from = None
+        self.load()
+
+    def load(self) -> None:
+        """Load this head's graphs saved beside the target's, once the target's artifacts
+        are loaded (``CompiledPasses.load``); a no-op until then and after."""
+        folder = self.compiled.artifacts
+        if folder is None or folder == self._loaded_from:
+            return
+        self._loaded_from = folder
+        if (folder / self.folder).is_dir():
+            self._ready.update(self.precompiled.load(folder / self.folder,
+                                                     lambda f: self._core(*f[:3])))
+
+    def _core(self, depth: int, top_k: int, keep: int):
+        from micro.compiled import named_code
+
+        return named_code(_make_draft_core(self.loaded, self.wt, self.mm, depth, top_k, keep),
+                          f"eagle_draft_{depth}_{top_k}_{keep}")
 
     def _fn(self, depth: int, top_k: int, keep: int):
         key = (depth, top_k, keep)
         fn = self._fns.get(key)
         if fn is None:
-            from micro.compiled import named_code
-
-            core = _make_draft_core(self.loaded, self.wt, self.mm, depth, top_k, keep)
-            fn = self._fns[key] = torch.compile(
-                named_code(core, f"eagle_draft_{depth}_{top_k}_{keep}"), fullgraph=True,
-                options=DRAFT_OPTIONS)
+            fn = self._fns[key] = torch.compile(self._core(depth, top_k, keep), fullgraph=True,
+                                                options=DRAFT_OPTIONS)
         return fn
 
     def step(self, h: Tensor, next_tokens: Tensor, st: "EagleState", a: int,
@@ -783,8 +809,23 @@ class CompiledDraft:
             scale = torch.tensor(inv_t, dtype=h.dtype)
             if len(self._inv_t) < 64:  # requests' temperatures are few; do not grow unbounded
                 self._inv_t[(inv_t, h.dtype)] = scale
-        tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(
-            h, next_tokens, pos, k_past, v_past, mask, scale)
+        args = (h, next_tokens, pos, k_past, v_past, mask, scale)
+        aot = self.precompiled.fns.get(shape)
+        if aot is None and fresh and self.precompiled.export_to is not None:  # a build
+            aot = self.precompiled.compile(
+                f"draft_{depth}_{top_k}_{keep}_{'rows' if T > 1 else 'row'}", shape,
+                self._core(depth, top_k, keep), DRAFT_OPTIONS, args)
+        if aot is not None:
+            try:
+                tokens, parents, root, k_new, v_new = aot(*args)
+            except RuntimeError as e:  # its guards refuse these inputs: eager from now on
+                if "GuardManager check failed" not in str(e):
+                    raise
+                self.precompiled.fns.pop(shape, None)
+                self._ready.discard(shape)
+                return None
+        else:
+            tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(*args)
         if fresh:
             self._ready.add(shape)
         st.k[:, a:a + T] = k_new

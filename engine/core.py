@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 import torch
 
+from drafters import costs
 from drafters.base import Draft
 from drafters.registry import DrafterEnv, Registry
 from micro.model import KVCache, Micro, Segment, forward_packed
@@ -56,6 +57,7 @@ log = logging.getLogger("nodraft.engine")
 
 
 PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being prefilled
+IDLE_POLL_S = 0.1  # an idle engine thread looks for idle work this often
 WARM_UP_SWITCH_INTERVAL = 2e-4  # s: the GIL's switch interval while compiling (default 5 ms)
 
 
@@ -138,6 +140,8 @@ class Engine:
         self._pass_threads = threads or torch.get_num_threads()  # for prefill and batches
         self.compiled_ready = False  # warm_up finished
         self.compiled_error: str | None = None  # warm_up failed: eager passes only
+        self._warming = False  # warm_up's thread is compiling
+        self._cost_failed: set[tuple[str, int]] = set()  # (model, compiled state)
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self._outbox: list[tuple[Handle, Event]] = []  # this iteration's step events
@@ -151,7 +155,8 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def warm_up(self, on_done: Callable[[float], None] | None = None) -> threading.Thread:
+    def warm_up(self, on_done: Callable[[float], None] | None = None,
+                load: Callable[[], None] | None = None) -> threading.Thread:
         """Compile the compiled models' graphs in the background (each on a scratch KV
         cache shaped like the engine's, freed afterwards); ``on_done(seconds)`` after. A
         model whose graphs fail to compile goes back to eager (``compiled_error`` says why).
@@ -161,9 +166,14 @@ class Engine:
         too small to split -- with two threads every fused loop pays an OpenMP fork and
         join, and a lone stream decoded slower on two cores than on one
         (docs/BENCHMARKS.md). ``threads`` still serves the eager passes: prefill and the
-        packed passes of a batch."""
+        packed passes of a batch.
+
+        ``load``: instead of compiling here, call it (the server's: build the graphs in a
+        process of their own if this machine has none, then load them, engine.artifacts)
+        and then only run what it loaded, once each -- nothing compiles in this process."""
         def work() -> None:
             torch.set_num_threads(1)
+            self._warming = True
             t0 = time.perf_counter()
             try:  # the compiler (and the C++ compilers it starts) yields the CPU to requests
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
@@ -174,9 +184,13 @@ class Engine:
             switch = sys.getswitchinterval()
             sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
             try:
-                self._compile_all()
+                if load is None:
+                    self._compile_all()
+                else:
+                    self._load_all(load)
             finally:
                 sys.setswitchinterval(switch)
+                self._warming = False
             self.compiled_ready = self.compiled_error is None
             if on_done is not None:
                 on_done(time.perf_counter() - t0)
@@ -201,7 +215,24 @@ class Engine:
             if model.compiled is not None:
                 self._warm_up_drafters(name, model)
 
-    def _warm_up_drafters(self, name: str, model: Micro) -> None:
+    def _load_all(self, load: Callable[[], None]) -> None:
+        try:
+            load()
+        except Exception as e:  # the build failed: eager passes, and /health says why
+            for model in self.models.values():
+                model.compiled = None
+            self.compiled_error = f"{type(e).__name__}: {e}"
+            return
+        for name, model in self.models.items():
+            if model.compiled is None or self._stop or not self._accepting:
+                continue
+            c = self.caches[name]
+            scratch = KVCache(model.config, c.n_slots, c.max_len, c.k.dtype)
+            model.compiled.warm_up(scratch, 0, compile=False)
+            del scratch
+            self._warm_up_drafters(name, model, compile=False)
+
+    def _warm_up_drafters(self, name: str, model: Micro, compile: bool = True) -> None:
         """Drafters with compiled graphs of their own (a ``warm_up(cache)`` method: EAGLE's
         draft step) compile them for their default parameters, after the target's graphs;
         other parameters compile at first use in lazy mode only, else draft eager. A
@@ -222,7 +253,10 @@ class Engine:
             except Exception:  # not available for this model: nothing to compile
                 continue
             try:
-                drafter.warm_up(self.caches[name])
+                if compile:
+                    drafter.warm_up(self.caches[name])
+                else:
+                    drafter.warm_up(self.caches[name], compile=False)
             except Exception as e:
                 log.warning("nodraft: %s's draft graphs for %s did not compile (%s: %s); it "
                             "drafts eager", method, name, type(e).__name__, e)
@@ -279,10 +313,60 @@ class Engine:
         while True:
             with self._cv:
                 while not self._stop and not self.running and not self.waiting:
-                    self._cv.wait()
+                    if self.idle_work():
+                        break
+                    self._cv.wait(IDLE_POLL_S)
                 if self._stop and not self.running and not self.waiting:
                     return
-            self.run_once()
+                idle = not self.running and not self.waiting
+            if idle:
+                self.idle()
+            else:
+                self.run_once()
+
+    # -- idle work -------------------------------------------------------------------------
+    def idle_work(self) -> bool:
+        """Work an idle engine should do: a model's pass-cost table (``drafters.costs``)
+        not measured yet, or not for its compiled graphs now that the warm-up is done."""
+        return bool(self._stale_costs())
+
+    def _stale_costs(self) -> list[str]:
+        return [name for name, m in self.models.items()
+                if (name, costs.compiled_state(m)) not in self._cost_failed
+                and (costs.latest(m) is None or (not self._warming and costs.current(m) is None))]
+
+    def idle(self) -> None:
+        """Called with nothing running: measure the stale pass-cost tables (a few dozen
+        small passes each, in a free KV slot), so no request waits for them."""
+        for name in self._stale_costs():
+            with self._cv:  # a request may have come in meanwhile: it goes first
+                if self.running or self.waiting or not self.free_slots[name]:
+                    return
+                slot = min(self.free_slots[name])
+            self._measure_costs(name, slot)
+
+    def _measure_costs(self, name: str, slot: int) -> costs.PassCost | None:
+        """None if the passes failed (logged once per compiled state; the figures then go
+        without, and requests meet the same failure as their own error)."""
+        self._use_threads(1)  # as a lone sequence's step runs
+        model, cache = self.models[name], self.caches[name]
+        cache.reset(slot)
+        try:
+            return costs.measure(model, cache, slot, 0)
+        except Exception:
+            log.exception("nodraft: the pass costs of %s could not be measured", name)
+            self._cost_failed.add((name, costs.compiled_state(model)))
+            return None
+        finally:
+            cache.reset(slot)
+
+    def _pass_cost(self, name: str, slot: int) -> costs.PassCost | None:
+        """The latest table for this model; measured now (in ``slot``, which is about to
+        be prefilled) if there is none -- an engine that never idled."""
+        got = costs.latest(self.models[name])
+        if got is None and self.caches[name].max_len > costs.ROWS[-1] and name in self._stale_costs():
+            got = self._measure_costs(name, slot)
+        return got
 
     @torch.inference_mode()
     def run_once(self) -> None:
@@ -351,7 +435,8 @@ class Engine:
         stops = frozenset(req.stop_token_ids) | ({self.eot_id} if self.eot_id is not None else set())
         return Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
                         req.sampling, stops, req.method, logprobs=req.logprobs,
-                        prompt_logprobs=req.prompt_logprobs)
+                        prompt_logprobs=req.prompt_logprobs,
+                        pass_cost=self._pass_cost(req.model, slot))
 
     def _step(self, handle: Handle) -> None:
         seq = handle.sequence

@@ -55,6 +55,7 @@ class EngineConfig:
     gemm: str = "auto"
     cores: list[int] | None = None  # CPU affinity of the engine process; None: unchanged
     log_level: str = "info"
+    compile_cache: str | None = None  # engine.artifacts' folder; None: its default
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -89,11 +90,23 @@ def compiled_status(engine: Engine, config: EngineConfig) -> tuple[str, str | No
 
 
 def start_warm_up(engine: Engine, config: EngineConfig) -> None:
-    """Compile in the background, if asked; the log says when it is done and with what."""
+    """Compiled passes in the background, if asked: the graphs built for this machine
+    (``engine.artifacts``) are loaded, after a process of their own has built them if
+    there are none yet -- never compiled in this process. The log says when they are
+    ready and with what, or why not."""
     if not config.compile:
         return
-    log.info("nodraft: compiling the single-sequence passes in the background "
-             "(served eager until then)")
+    from engine import artifacts
+
+    artifacts.use_inductor_cache(artifacts.cache_home(config.compile_cache))
+
+    def load() -> None:
+        store = artifacts.Store(config, config.compile_cache)
+        if store.complete():
+            log.info("nodraft: loading the compiled passes built for this machine: %s",
+                     store.path)
+        folder = store.ensure()
+        log.info("nodraft: %d compiled graphs loaded", artifacts.load(engine, folder))
 
     def done(seconds: float) -> None:
         if engine.compiled_error is None:
@@ -104,7 +117,7 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
             log.warning("nodraft: compiling failed, serving eager passes: %s",
                         engine.compiled_error)
 
-    engine.warm_up(done)
+    engine.warm_up(done, load=load)
 
 
 # -- the engine process ------------------------------------------------------------------------
@@ -176,6 +189,8 @@ class EngineCore:
                 return
             if engine.busy:
                 engine.run_once()
+            elif engine.idle_work():
+                engine.idle()
             self._send()
             if not busy and os.getppid() != self.parent_pid:
                 return  # the API process is gone (where PDEATHSIG is not available)

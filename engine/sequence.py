@@ -17,7 +17,9 @@ decoding makes exactly one target pass per token.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,6 +51,11 @@ class StepResult:
     # with ``Sequence.prompt_logprobs``, on the first step only: the same for prompt tokens
     # 1.. (the first prompt token has none), from the prefill's hidden states
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # the pass's measured-cost figures (``engine.stats``): plain decoding's seconds for the
+    # tokens it produced, the pass's seconds by its rows, the drafter's wall time
+    plain_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
 
 
 @dataclass
@@ -65,6 +72,9 @@ class Sequence:
     max_draft: int = 64
     logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the top k
     prompt_logprobs: bool = False  # the prompt's too (needs ``logprobs``), on the first step
+    # what a lone pass costs here by its rows (``drafters.costs.PassCost``); None: the
+    # measured-cost figures stay 0 (the engine sets it)
+    pass_cost: Any = None
 
     def __post_init__(self):
         assert 1 <= len(self.prompt) < self.cache.max_len, "prompt must fit the context"
@@ -86,6 +96,9 @@ class Sequence:
         self.prefilled = False
         self._states: list[Tensor] = []  # prefill chunks' hidden states (packed prefill)
         self._prefill_begun = False
+        self._timed = self.method != "none"  # plain decoding's drafter costs nothing
+        self._draft_s = 0.0  # the drafter's wall time since the last pass
+        self._reused = 0.0  # early exit's last pass: the share of layers it reused
 
     def _draw(self, logits: Tensor, pos: int) -> int:
         return self.noise.draw(target_probs(logits, self.sampling), pos)
@@ -127,11 +140,15 @@ class Sequence:
         budget = self.budget() if limit is None else min(limit, self.budget())
         if budget == 0:  # not consulted: a drafter may name who that pass belongs to
             return dataclasses.replace(Draft.empty(), method=getattr(self.drafter, "idle_method", None))
+        t0 = time.perf_counter()
         try:
             draft = self.drafter.propose(self.ctx, budget)
         except Exception:  # a drafter that raises is contained: plain decoding this step
             self._drafter_error(self.method)
             return Draft.empty()
+        finally:
+            if self._timed:
+                self._draft_s += time.perf_counter() - t0
         if len(draft) > budget:
             draft = draft.prefix(budget)
         room = self.cache.max_len - len(self.tokens) - len(draft)  # rows left for aux
@@ -180,6 +197,7 @@ class Sequence:
             h = m.run_layers(h, pos, E, m.config.n_layers, cache=self.cache, slot=self.slot,
                              start=n, mask=m.block_mask(k + 1, n, None))
             self.ctx.aux_logits = None
+            self._reused = E / m.config.n_layers  # for its price: layers below E were reused
             return m.head(h)[0], h[0]
         if draft.parents is None and not draft.n_aux:  # a chain: positions and mask implied
             ids = torch.tensor([self.tokens[-1], *draft.tokens.tolist()])
@@ -208,8 +226,16 @@ class Sequence:
         dtok = draft.tokens.tolist()
         accepted = [dtok[i] for i in path]
         method = draft.method or self.method
+        plain_s = verify_s = 0.0
+        if self.pass_cost is not None:
+            plain_s = (len(accepted) + 1) * self.pass_cost(1)
+            verify_s = self.pass_cost(1 + len(draft) + draft.n_aux)
+            if self._reused:  # early exit's own pass: its rows below the exit were reused
+                verify_s = (1 - self._reused) * verify_s + self._reused * self.pass_cost(1)
+        self._reused = 0.0
+        draft_s, self._draft_s = self._draft_s, 0.0
         for s in (self.stats, self._method_stats(method)):
-            s.record(len(draft), len(accepted), draft.cost)
+            s.record(len(draft), len(accepted), draft.cost, plain_s, verify_s, draft_s)
         self.ctx.last_hidden = hidden[:1] if not path else hidden[[0, *(i + 1 for i in path)]]
         emitted = accepted + [bonus]
         finish = None
@@ -225,10 +251,13 @@ class Sequence:
             finish = "length"
         if finish is None and len(self.tokens) >= self.cache.max_len:
             finish = "length"  # the context is full
+        t0 = time.perf_counter()
         try:
             self.drafter.observe(self.ctx, accepted)
         except Exception:
             self._drafter_error(method)
+        if self._timed:  # the drafter's bookkeeping is its cost too: the next pass's
+            self._draft_s += time.perf_counter() - t0
         if finish is not None:
             self.finish(finish)
         rejected = _rejected_branch(draft, path)
@@ -238,7 +267,7 @@ class Sequence:
             lps = token_logprobs(logits[rows], emitted, self.logprobs)
         return StepResult(emitted, min(len(accepted), len(emitted)), dtok, rejected, method,
                           draft.cost, finish, len(accepted), self.stats.drafter_errors, lps,
-                          prompt_lp)
+                          prompt_lp, plain_s, verify_s, draft_s)
 
     def _prompt_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
         """Prompt tokens 1.. scored by the prefill's final hidden states (row i predicts

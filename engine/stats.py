@@ -6,6 +6,21 @@ computed here for the response and in PromQL for the dashboard, never stored twi
     acceptance rate      = accepted / drafted            (None when drafted = 0)
     tokens per pass      = (accepted + passes) / passes  (plain decoding: exactly 1.0)
     estimated speed-up   = (accepted + passes) / (passes + draft cost)
+    measured-cost speed-up = plain seconds / (verify seconds + draft seconds)
+
+The estimated speed-up is the course's: every pass costs one target pass whatever its
+rows, and the draft cost is each drafter's own model of its compute, in target-pass units.
+It ignores what verifying k tokens costs on this machine (a pass of 17 rows is not the
+price of a pass of 1) and so overstates long drafts. The measured-cost speed-up prices the
+same passes with seconds measured here (``drafters.costs``): ``verify_seconds`` sums, per
+pass, what ONE sequence's pass of that many rows costs on this machine; ``plain_seconds``
+what plain decoding would have spent on the tokens those passes emitted (one 1-row pass
+each); ``draft_seconds`` is the drafter's own wall time, timed (its proposals and its
+bookkeeping after each pass; none for ``none``). It is the request's speed-up over plain
+decoding were it alone on the engine -- under batching the engine shares each pass
+between sequences, which neither figure models. Early exit's own verification pass (a
+lone sequence's) reuses the rows below its exit layer E of L: it is priced as a 1-row
+pass for E/L of the layers and a pass of all its rows for the rest, an approximation.
 """
 
 from __future__ import annotations
@@ -22,13 +37,21 @@ class SpecStats:
     draft_cost: float = 0.0  # in target-pass units, summed over passes
     accepted_by_position: list[int] = field(default_factory=list)
     drafter_errors: int = 0
+    plain_seconds: float = 0.0  # plain decoding's measured cost of the same tokens
+    verify_seconds: float = 0.0  # the passes' measured cost, by their rows
+    draft_seconds: float = 0.0  # the drafter's wall time
 
-    def record(self, drafted: int, accepted: int, cost: float) -> None:
-        """One verification pass that checked ``drafted`` tokens and kept ``accepted``."""
+    def record(self, drafted: int, accepted: int, cost: float, plain_s: float = 0.0,
+               verify_s: float = 0.0, draft_s: float = 0.0) -> None:
+        """One verification pass that checked ``drafted`` tokens and kept ``accepted``
+        (``cost``: the draft's modelled cost; the seconds: see the module's docstring)."""
         self.drafted += drafted
         self.accepted += accepted
         self.target_passes += 1
         self.draft_cost += cost
+        self.plain_seconds += plain_s
+        self.verify_seconds += verify_s
+        self.draft_seconds += draft_s
         if accepted > len(self.accepted_by_position):
             self.accepted_by_position.extend([0] * (accepted - len(self.accepted_by_position)))
         for i in range(accepted):
@@ -39,6 +62,9 @@ class SpecStats:
         self.accepted += other.accepted
         self.target_passes += other.target_passes
         self.draft_cost += other.draft_cost
+        self.plain_seconds += other.plain_seconds
+        self.verify_seconds += other.verify_seconds
+        self.draft_seconds += other.draft_seconds
         self.drafter_errors += other.drafter_errors
         for i, a in enumerate(other.accepted_by_position):
             if i < len(self.accepted_by_position):
@@ -62,6 +88,11 @@ class SpecStats:
             return None
         return (self.accepted + self.target_passes) / (self.target_passes + self.draft_cost)
 
+    @property
+    def measured_cost_speedup(self) -> float | None:
+        spent = self.verify_seconds + self.draft_seconds
+        return self.plain_seconds / spent if spent > 0 and self.plain_seconds > 0 else None
+
     def to_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
         return {
@@ -73,6 +104,10 @@ class SpecStats:
             "tokens_per_pass": r(self.tokens_per_pass),
             "draft_cost": round(self.draft_cost, 4),
             "estimated_speedup": r(self.estimated_speedup),
+            "measured_cost_speedup": r(self.measured_cost_speedup),
+            "plain_seconds": round(self.plain_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            "draft_seconds": round(self.draft_seconds, 6),
             "accepted_by_position": list(self.accepted_by_position),
             "drafter_errors": self.drafter_errors,
         }

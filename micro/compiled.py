@@ -27,9 +27,13 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   compiled once, at its first pass, with the context length -- and for several rows the
   block length -- marked dynamic, so one graph serves every context and every chain or
   tree. Every other size (heads, widths, the cache's strides) stays a constant the
-  generated loops are vectorised over. ``warm_up`` compiles the families up front;
-  inductor caches them on disk, so a later process builds them faster. The marking
-  (``maybe_mark_dynamic``, ~100 us a call) happens only at that first pass.
+  generated loops are vectorised over. ``warm_up`` compiles the families up front. The
+  marking (``maybe_mark_dynamic``, ~100 us a call) happens only at that first pass.
+- **Built once, loaded after.** With ``export_to`` set, a family is compiled with
+  ``torch.compile``'s AOT precompilation and saved (``Precompiled``); ``load`` reads saved
+  families into another process, where they run at once, untraced. The server does this
+  (engine/artifacts.py): a process of its own builds every family once per machine, and
+  every engine loads them at start.
 
 The numbers differ from eager micro in the last bits (fused reductions), as eager
 already differs between a 1-row and a k-row pass. Prompts are prefilled eagerly, and a
@@ -41,9 +45,12 @@ passes.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import time
 import types
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -59,19 +66,22 @@ import torch._dynamo.config as _dynamo_config
 _dynamo_config.cache_size_limit = max(_dynamo_config.cache_size_limit, 64)
 _dynamo_config.accumulated_cache_size_limit = max(_dynamo_config.accumulated_cache_size_limit, 512)
 
-# freezing: the parameters a graph reads become constants. When the graphs multiplied by
-# the modules' weights it prepacked them for MKL/oneDNN (1-row pass 0.55 -> 0.48 ms, 17 rows
-# 2.1 -> 1.6 ms, measured); the (in, out) copies they multiply by now were faster still
-# (``transposed_weights``). max_autotune's C++ GEMM templates were tried too: no better at
-# 1-4 rows, worse at 8-16.
-#
 # size_asserts off: inductor checks the size and strides of every extern kernel's output
 # (the products and the bmms: up to 25 calls a pass) with a Python-level call after it. A debugging
 # aid; our kernels' outputs are fixed by their schemas. Same process, alternated, one
 # thread: a 1-row pass 400 -> 357 us (100 cached rows) and 472 -> 417 (300), 2 rows 8-10%
 # faster, 3-17 rows level. (``cpp_wrapper``, which drops the Python wrapper altogether,
 # showed no clear gain in decodes -- mixed, within the noise -- and compiles 20% longer.)
-OPTIONS = {"freezing": True, "size_asserts": False}
+#
+# freezing off: frozen parameters become constants of the generated code, so a saved graph
+# would carry its model's weights and be valid for that checkpoint only; as graph inputs
+# the (in, out) copies (``transposed_weights``) are read the same way. Same process,
+# alternated, one thread, 100 cached rows: a 1-row pass 0.99x and a 5-row pass 0.92x the
+# time of the frozen graph's (when the graphs multiplied by the modules' weights, freezing
+# prepacked them for MKL and paid; the copies are faster still).
+OPTIONS = {"freezing": False, "size_asserts": False}
+
+log = logging.getLogger("nodraft.compiled")
 
 MIN_CONTEXT = 2  # shorter cached prefixes (sizes 0 and 1 are specialised): eager
 
@@ -97,6 +107,36 @@ class CompiledPasses:
         self._slots: dict[tuple[int, int, int], tuple] = {}  # a slot's K/V views per range
         self._wt: dict[str, Tensor] | None = None  # transposed_weights, built at first compile
         self.compile_seconds = 0.0
+        self.precompiled = Precompiled()  # graphs built ahead of time (``load``, ``export_to``)
+        self.artifacts: Path | None = None  # the folder they were loaded from (drafters' too)
+
+    def _weights(self) -> dict[str, Tensor]:
+        if self._wt is None:
+            self._wt = transposed_weights(self.model)
+            self.gemm_kind = gemm.choose(self.gemm)
+        return self._wt
+
+    def _core(self, lo: int, hi: int, head: bool):
+        wt = self._weights()
+        return _make_core(self.model, lo, hi, head, wt, gemm.matmul(self.gemm_kind))
+
+    def load(self, folder: Path) -> int:
+        """Load the families saved in ``folder`` (``export_to`` of an artifact build for
+        this model, cache shape and product): they run at once, none compiles. Returns how
+        many were loaded."""
+        families = self.precompiled.load(folder, lambda f: self._core(f[0], f[1], f[2]))
+        self._ready.update(families)
+        self.artifacts = Path(folder)
+        return len(families)
+
+    @property
+    def export_to(self) -> Path | None:
+        return self.precompiled.export_to
+
+    @export_to.setter
+    def export_to(self, folder: Path | None) -> None:
+        """Where a family compiled from now on is saved too (an artifact build)."""
+        self.precompiled.export_to = None if folder is None else Path(folder)
 
     def causal(self, T: int, dtype: torch.dtype) -> Tensor:
         m = self._causal.get(T)
@@ -108,11 +148,8 @@ class CompiledPasses:
         key = (lo, hi, head)
         fn = self._fns.get(key)
         if fn is None:
-            if self._wt is None:
-                self._wt = transposed_weights(self.model)
-                self.gemm_kind = gemm.choose(self.gemm)
-            core = _make_core(self.model, lo, hi, head, self._wt, gemm.matmul(self.gemm_kind))
-            fn = self._fns[key] = torch.compile(core, fullgraph=True, options=OPTIONS)
+            fn = self._fns[key] = torch.compile(self._core(lo, hi, head), fullgraph=True,
+                                                options=OPTIONS)
         return fn
 
     @torch.inference_mode()
@@ -154,8 +191,22 @@ class CompiledPasses:
             if T > 1:
                 for x, d in ((h, 0), (pos, 0), (mask, 0), (mask, 1)):
                     torch._dynamo.maybe_mark_dynamic(x, d)
-        out, logits, k_new, v_new = self._fn(lo, hi, head)(h, pos, k_past, v_past,
-                                                            mask if T > 1 else None)
+        args = (h, pos, k_past, v_past, mask if T > 1 else None)
+        aot = self.precompiled.fns.get(family)
+        if aot is None and fresh and self.export_to is not None:  # an artifact build
+            aot = self.precompiled.compile(
+                f"passes_{lo}_{hi}{'_head' if head else ''}_{'rows' if T > 1 else 'row'}",
+                family, self._core(lo, hi, head), OPTIONS, args)
+        if aot is not None:
+            try:
+                out, logits, k_new, v_new = aot(*args)
+            except RuntimeError as e:  # its guards refuse these inputs: eager, and say why
+                if "GuardManager check failed" not in str(e):
+                    raise
+                self._refused(family, e)
+                return None
+        else:
+            out, logits, k_new, v_new = self._fn(lo, hi, head)(*args)
         if fresh:
             self._ready.add(family)
             self.compile_seconds += time.perf_counter() - t0
@@ -163,11 +214,20 @@ class CompiledPasses:
         v_slot[:, :, start:start + T] = v_new
         return out, logits
 
+    def _refused(self, family: tuple, e: Exception) -> None:
+        """A precompiled graph whose guards refuse a pass (another thread count, another
+        kind of tensor): that family runs eager from now on, and the log says why."""
+        self.precompiled.fns.pop(family, None)
+        self._ready.discard(family)
+        log.warning("nodraft: a precompiled pass (%s) does not fit this pass, which runs "
+                    "eager from now on: %s", family[:4], guard_reason(e))
+
     @torch.inference_mode()
-    def warm_up(self, cache, slot: int, early_exit: bool = True) -> float:
+    def warm_up(self, cache, slot: int, early_exit: bool = True, compile: bool = True) -> float:
         """Compile every family a request can reach on ``cache`` (whose ``slot`` must be
         free: its rows past the committed length are written): full passes of one row and
         of several, and with ``early_exit`` each exit's draft and verification ranges.
+        ``compile=False``: only run the families already compiled or loaded once each.
         Returns the seconds it took."""
         t0 = time.perf_counter()
         L, dim = self.model.config.n_layers, self.model.config.dim
@@ -182,8 +242,94 @@ class CompiledPasses:
         # again (on the engine's thread, seconds) at the first real pass
         for lo, hi, head, T in ranges:
             self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
-                     lo, hi, cache, slot, start, None, head, compile=True)
+                     lo, hi, cache, slot, start, None, head, compile=compile)
         return time.perf_counter() - t0
+
+
+class Precompiled:
+    """Graphs compiled ahead of time and saved, one file per family: ``torch.compile``'s
+    AOT precompilation (``aot_compile`` then ``save_compiled_function``; loaded with
+    ``torch.compiler.load_compiled_function``), which keeps dynamo's guards and the
+    generated code but not the tracing, so a loaded graph runs at once -- no dynamo, no
+    inductor. A file holds no weights: every tensor and module the graph's function closes
+    over is external data, matched by its place in the closure (``closure_data``), and
+    supplied again at load from the function rebuilt for the model at hand.
+
+    ``export_to``: where compiling a family also saves it (the artifact build); ``load``
+    reads every family saved in a folder. Families are named by their owner; ``families``
+    maps a file's stem to its family tuple."""
+
+    def __init__(self):
+        self.export_to: Path | None = None
+        self.fns: dict[tuple, object] = {}
+
+    def compile(self, stem: str, family: tuple, fn, options: dict, inputs: tuple):
+        """Compile ``fn`` for ``inputs`` (dynamic dimensions marked) and, with
+        ``export_to``, save it as ``stem``; returns the compiled function."""
+        t0 = time.perf_counter()
+        aot = torch.compile(fn, fullgraph=True, options=options).aot_compile((inputs, {}))
+        log.info("nodraft: compiled %s (%.1f s)", stem, time.perf_counter() - t0)
+        if self.export_to is not None:
+            self.export_to.mkdir(parents=True, exist_ok=True)
+            aot.save_compiled_function(str(self.export_to / f"{stem}.pt2"),
+                                       external_data=closure_data(fn))
+            (self.export_to / f"{stem}.json").write_text(json.dumps(_jsonable(family)))
+        self.fns[family] = aot
+        return aot
+
+    def load(self, folder: Path, make_fn) -> list[tuple]:
+        """Load every family saved in ``folder``; ``make_fn(family)`` rebuilds its function
+        (for its closure's tensors). Returns the families loaded."""
+        loaded = []
+        for meta in sorted(Path(folder).glob("*.json")):
+            family = _from_json(json.loads(meta.read_text()))
+            # under inference mode, as the graphs run and were compiled: a tensor guard's
+            # dispatch keys are taken relative to the mode it is built in
+            with open(meta.with_suffix(".pt2"), "rb") as f, torch.inference_mode():
+                fn = make_fn(family)
+                self.fns[family] = torch.compiler.load_compiled_function(
+                    f, external_data=closure_data(fn))
+            loaded.append(family)
+        return loaded
+
+
+def guard_reason(e: Exception) -> str:
+    """The failed guard of a precompiled graph's error, in a line."""
+    text = str(e)
+    i = text.find("verbose_code_parts=")
+    return (text[i:].split("\n")[0] if i >= 0 else text.splitlines()[-1])[:300]
+
+
+def closure_data(fn) -> dict[str, object]:
+    """Everything but plain numbers and strings that ``fn`` closes over (tensors, modules,
+    functions; inside lists, tuples and dicts too), keyed by
+    its place in the closure: the same keys for the same function built for another model
+    object."""
+    out: dict[str, object] = {}
+
+    def walk(key: str, x) -> None:
+        if isinstance(x, (list, tuple)):
+            for i, y in enumerate(x):
+                walk(f"{key}.{i}", y)
+        elif isinstance(x, dict):
+            for k, y in x.items():
+                walk(f"{key}.{k}", y)
+        elif not isinstance(x, (int, float, bool, str, type(None))):
+            out[key] = x  # tensors, modules, the product function: the caller's own
+
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        walk(name, cell.cell_contents)
+    return out
+
+
+def _jsonable(family: tuple) -> list:
+    return [["dtype", str(x).removeprefix("torch.")] if isinstance(x, torch.dtype)
+            else list(x) if isinstance(x, tuple) else x for x in family]
+
+
+def _from_json(items: list) -> tuple:
+    return tuple(getattr(torch, x[1]) if isinstance(x, list) and x[:1] == ["dtype"]
+                 else tuple(x) if isinstance(x, list) else x for x in items)
 
 
 def _offset0(x: Tensor) -> Tensor:

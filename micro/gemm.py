@@ -22,14 +22,16 @@ sizes, so that speculative greedy equals plain greedy still rests on the equival
 tests, as before.
 
 Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 -mavx512f -mfma, 10-20 s
-once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``), on CPUs that
-report AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Elsewhere, or if the build
+once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``; a build stopped
+midway never blocks the next, ``build_lock``), on CPUs that report AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Elsewhere, or if the build
 fails, ``choose`` picks ``torch.mm`` and a warning says why. ``NODRAFT_GEMM=torch`` chooses
 ``torch.mm`` everywhere (the A/B the benchmarks run).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -41,6 +43,7 @@ from torch import Tensor
 log = logging.getLogger("nodraft.gemm")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.cpp"
+NAME = "nodraft_gemm"  # the extension's name, and its folder under TORCH_EXTENSIONS_DIR
 CHOICES = ("auto", "torch")
 
 _lock = threading.Lock()
@@ -51,10 +54,11 @@ def _build() -> tuple[bool, str]:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False, f"this CPU's vector unit is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        load("nodraft_gemm", [str(SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"],
-             is_python_module=False, verbose=False)
+        with build_lock(Path(_get_build_directory(NAME, verbose=False))):
+            load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"],
+                 is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch.mm serves
         return False, f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1][:300]}"
 
@@ -63,6 +67,27 @@ def _build() -> tuple[bool, str]:
         return a.new_empty((a.shape[0], b.shape[1]))
 
     return True, "built"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path):
+    """Hold the extension's build folder for this process: an ``flock``, which the kernel
+    releases when its holder dies however it dies (SIGKILL included). torch's own build
+    lock is a file (``lock``) that a build stopped midway leaves behind, and every later
+    build then waits on it for ever; under this lock no other nodraft process can be
+    building, so such a file is stale: it is logged and removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "nodraft.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another live process building: wait for it
+        try:
+            baton = directory / "lock"
+            if baton.exists():
+                log.warning("nodraft: removing %s, left by a build of %s that was stopped "
+                            "before it finished", baton, NAME)
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def load() -> bool:

@@ -206,8 +206,8 @@ class Micro(nn.Module):
         goes back to eager. ``lazy``: a graph compiles on its first pass; otherwise only
         after ``self.compiled.warm_up`` (until then eager). ``gemm``: the graphs' matrix
         product, 'auto' (nodraft's kernel where it loads) or 'torch' (micro/gemm.py;
-        default ``NODRAFT_GEMM``, else 'auto'). For inference: the weights are frozen into
-        the graphs."""
+        default ``NODRAFT_GEMM``, else 'auto'). Graphs built ahead of time load with
+        ``self.compiled.load`` (engine/artifacts.py)."""
         from micro.compiled import CompiledPasses
 
         self.compiled = CompiledPasses(self, lazy, gemm) if enabled else None

@@ -143,7 +143,9 @@ class Service:
         config = EngineConfig(str(directory), self.registry.targets(),
                               self.settings.max_running, self.settings.max_waiting,
                               self.engine_threads, self.settings.compile,
-                              self.settings.gemm, self.engine_cores, self.settings.log_level)
+                              self.settings.gemm, self.engine_cores, self.settings.log_level,
+                              str(self.settings.compile_cache) if self.settings.compile_cache
+                              else None)
         kind = MPClient if self.settings.engine_process else InprocClient
         self.client = kind(config, Observers(self.metrics, self.admission))
         self.client.on_death = self._engine_died

@@ -1,6 +1,7 @@
 """``nodraft``: one command line for serving, training, evaluating and measuring.
 
     nodraft serve    [--host 127.0.0.1] [--port 8000] [--speculation METHOD] [--api-key KEY] ...
+    nodraft compile  [--max-running N] [--compile-cache DIR]   the compiled passes, built ahead
     nodraft eval     [--json]          held-out loss of every checkpoint and variant
     nodraft workshop [--json] [--plot FILE] [--url URL]   the course's table, measured
     nodraft train    tokenizer | micro | medusa | eagle ...
@@ -19,6 +20,7 @@ from importlib import import_module
 COMMANDS = {
     "serve": ("server.app", "main", "run the OpenAI-compatible server"),
     "eval": ("drafters.evaluation", "main", "held-out loss of every checkpoint and variant, and of trained drafters"),
+    "compile": ("engine.artifacts", "main", "build the compiled passes for this machine ahead of time"),
     "workshop": ("clients.workshop", "main", "the course's table, measured"),
     "export-hf": ("micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
     "loadtest": ("clients.loadtest", "main", "load-test a running server"),

@@ -13,6 +13,8 @@ to PromQL:
     tokens per pass    = (rate(accepted) + rate(target_passes)) / rate(target_passes)
     estimated speed-up = (rate(accepted) + rate(target_passes))
                          / (rate(target_passes) + rate(draft_cost_passes))
+    measured-cost speed-up = rate(plain_seconds)
+                         / (rate(verify_seconds) + rate(draft_seconds))
 
 Labels: ``model`` is the checkpoint; ``method`` is the drafter that proposed (for ``auto``,
 the one it chose at each step); ``position`` counts draft positions from 0 (the first draft
@@ -78,6 +80,15 @@ class Metrics:
         self.draft_cost = Counter(
             "nodraft_spec_draft_cost_passes", "Drafters' own compute, in target-pass units.",
             mm, registry=r)
+        self.plain_seconds = Counter(
+            "nodraft_spec_plain_seconds", "Seconds plain decoding would have spent on the "
+            "tokens the passes emitted (one 1-row pass each, measured on this machine).", mm,
+            registry=r)
+        self.verify_seconds = Counter(
+            "nodraft_spec_verify_seconds", "Seconds the target passes cost by their rows, "
+            "as measured for one sequence's pass on this machine.", mm, registry=r)
+        self.draft_seconds = Counter(
+            "nodraft_spec_draft_seconds", "The drafters' own wall time.", mm, registry=r)
         self.generation_tokens = Counter(
             "nodraft_generation_tokens", "Tokens generated (accepted draft tokens plus bonus "
             "tokens).", mm, registry=r)
@@ -165,7 +176,8 @@ class Metrics:
             self.auto_choices.labels(model, step.method).inc()
         after = replace(progress.seen.get(step.method) or SpecStats(step.method))
         after.accepted_by_position = list(after.accepted_by_position)
-        after.record(len(step.draft), step.accepted, step.cost)
+        after.record(len(step.draft), step.accepted, step.cost, step.plain_seconds,
+                     step.verify_seconds, step.draft_seconds)
         self._export(progress, step.method, after)
         self._errors(progress, step.drafter_errors)
 
@@ -177,6 +189,9 @@ class Metrics:
         _inc(self.accepted_tokens.labels(*labels), now.accepted - before.accepted)
         _inc(self.target_passes.labels(*labels), now.target_passes - before.target_passes)
         _inc(self.draft_cost.labels(*labels), now.draft_cost - before.draft_cost)
+        _inc(self.plain_seconds.labels(*labels), now.plain_seconds - before.plain_seconds)
+        _inc(self.verify_seconds.labels(*labels), now.verify_seconds - before.verify_seconds)
+        _inc(self.draft_seconds.labels(*labels), now.draft_seconds - before.draft_seconds)
         old = before.accepted_by_position
         for pos, count in enumerate(now.accepted_by_position):
             gained = count - (old[pos] if pos < len(old) else 0)

@@ -5,7 +5,8 @@ Extensions, which OpenAI clients pass with ``extra_body`` and ignore in response
 - request ``speculation``: a drafter name or ``{"method": ..., **params}`` (each drafter's
   ``Params``, listed by ``GET /v1/models``); absent or null means the server's default. ``top_k`` (0 = no limit), as vLLM has it.
 - response ``speculation``: the request's figures (drafted, accepted, acceptance_rate,
-  target_passes, tokens_per_pass, draft_cost, estimated_speedup, accepted_by_position;
+  target_passes, tokens_per_pass, draft_cost, estimated_speedup, measured_cost_speedup
+  with its plain/verify/draft seconds, accepted_by_position;
   defined in docs/ARCHITECTURE.md, "Words, formulas and metric names"); for ``n`` > 1,
   summed over the choices. When streaming, in the final chunk.
 - stream chunk ``nodraft``: where each token of the step came from --
@@ -246,8 +247,20 @@ class Speculation(BaseModel):
     acceptance_rate: float | None = Field(description="accepted / drafted; null if drafted = 0")
     target_passes: int
     tokens_per_pass: float | None
-    draft_cost: float
-    estimated_speedup: float | None
+    draft_cost: float = Field(description="the drafters' modelled compute, summed over the "
+                              "request's passes, in target-pass units")
+    estimated_speedup: float | None = Field(
+        description="the course's estimate: (accepted + passes) / (passes + draft_cost); "
+                    "every pass priced at one target pass whatever its rows")
+    measured_cost_speedup: float | None = Field(
+        None, description="plain_seconds / (verify_seconds + draft_seconds): the request's "
+                          "passes priced by what a pass of that many rows measured on this "
+                          "machine, plus the drafter's timed work; as if it ran alone")
+    plain_seconds: float = Field(0.0, description="seconds plain decoding would have spent on "
+                                                  "the tokens the passes emitted")
+    verify_seconds: float = Field(0.0, description="seconds the passes cost by their rows, "
+                                                   "measured on this machine")
+    draft_seconds: float = Field(0.0, description="the drafter's own wall time, in seconds")
     accepted_by_position: list[int]
     drafter_errors: int = 0
 

@@ -76,9 +76,13 @@ class Settings(BaseSettings):
         "thread keeps producing, the event loop collects its events every this many ms "
         "instead of being woken per engine step (the first token of a quiet spell is never "
         "held; 0: woken per step)")
-    compile: bool = Field(True, description="compile single-sequence passes with "
-                          "torch.compile (in the background at start; served eager until "
-                          "ready); false: eager only")
+    compile: bool = Field(True, description="compiled single-sequence passes: built once "
+                          "per machine by a process of their own (or ahead of time by "
+                          "`nodraft compile`) and loaded at start; served eager until "
+                          "loaded; false: eager only")
+    compile_cache: Path | None = Field(None, description="where the compiled passes are "
+                                       "kept (default: $NODRAFT_COMPILE_CACHE, else "
+                                       "$XDG_CACHE_HOME/nodraft, else ~/.cache/nodraft)")
     gemm: Literal["auto", "torch"] = Field(
         "auto", description="the compiled passes' matrix product: auto (nodraft's few-row "
         "AVX-512 kernel, built at the first compile, where the CPU has AVX-512; else "

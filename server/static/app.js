@@ -203,6 +203,9 @@ function showSpeculation(pane, s) {
   setFig(pane, "target_passes", String(s.target_passes), s.target_passes);
   const est = fmt(s.estimated_speedup, 2);
   setFig(pane, "estimated_speedup", est === null ? "n/a" : est + "×", s.estimated_speedup);
+  const measured = fmt(s.measured_cost_speedup, 2);
+  setFig(pane, "measured_cost_speedup", measured === null ? "n/a" : measured + "×",
+    s.measured_cost_speedup);
 }
 
 async function run(event) {

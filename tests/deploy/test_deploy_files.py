@@ -46,7 +46,7 @@ def panels() -> list[dict]:
 def substitute(expr: str, model: str = "micro", method: str = ".*",
                rate_interval: str = "30s") -> str:
     return (expr.replace("$__rate_interval", rate_interval)
-            .replace("$model", model).replace("$method", method))
+            .replace("$model", model).replace("$method", method).replace("$asked", method))
 
 
 def compose() -> dict:
@@ -97,7 +97,8 @@ def test_recording_rules_give_the_design_ratios_by_model_and_method():
     promql = pytest.importorskip("promql_parser", reason="promql-parser (the test extra)")
     rules = {r["record"]: r["expr"] for g in yaml.safe_load(RULES_YML.read_text())["groups"]
              for r in g["rules"]}
-    for ratio in ("acceptance_rate", "tokens_per_pass", "estimated_speedup"):
+    for ratio in ("acceptance_rate", "tokens_per_pass", "estimated_speedup",
+                  "measured_cost_speedup"):
         assert f"model_method:nodraft_spec_{ratio}:ratio_rate1m" in rules, ratio
     for name, expr in rules.items():
         promql.parse(expr)
@@ -207,7 +208,7 @@ def test_the_issues_panels_are_there_speculation_first():
     ordered = sorted(panels(), key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
     titles = [p["title"] for p in ordered]
     wanted = ["Acceptance rate by method", "Tokens per target pass by method",
-              "Estimated speed-up by method", "Acceptance by draft position",
+              "Speed-up estimates by method", "Acceptance by draft position",
               "Drafter errors", "Generated tokens/s", "Requests/s by status",
               "Time to first token (p50/p95/p99)", "Inter-token latency (p50/p95/p99)",
               "End-to-end request latency (p50/p95/p99)", "Running and waiting requests",
@@ -239,18 +240,32 @@ def test_speculation_panels_use_the_design_formulas():
     cost = acc.replace("accepted_tokens", "draft_cost_passes")
     assert flat["Acceptance rate by method"] == f"{acc} / ({draft} > 0)"
     assert flat["Tokens per target pass by method"] == f"({acc} + {passes}) / ({passes} > 0)"
-    assert flat["Estimated speed-up by method"] == f"({acc} + {passes}) / (({passes} + {cost}) > 0)"
+    plain, verify, drafting = (acc.replace("accepted_tokens", f"{s}_seconds")
+                               for s in ("plain", "verify", "draft"))
+    assert flat["Speed-up estimates by method"] == (
+        f"{plain} / (({verify} + {drafting}) > 0) ({acc} + {passes}) / (({passes} + {cost}) > 0)")
 
 
 def test_dashboard_variables_and_defaults():
     board = dashboard()
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert set(variables) == {"datasource", "model", "method"}
-    for name in ("model", "method"):
+    assert set(variables) == {"datasource", "model", "method", "asked"}
+    for name in ("model", "method", "asked"):
         v = variables[name]
         assert v["type"] == "query" and v["multi"] and v["includeAll"] and v["allValue"] == ".*"
-        assert "label_values(nodraft_generation_tokens_total" in v["query"]["query"]
-        assert v["query"]["query"].endswith(f", {name})")
+        # tokens by the drafter that proposed them; requests by the method asked (auto too)
+        source = "nodraft_requests_total" if name == "asked" else "nodraft_generation_tokens_total"
+        assert f"label_values({source}" in v["query"]["query"]
+        assert v["query"]["query"].endswith(f", {'method' if name == 'asked' else name})")
+    # a panel of a metric labelled by the method asked filters by that picker, not the other
+    for panel in panels():
+        for target in panel["targets"]:
+            asked = re.search(r"nodraft_(requests_total|e2e_request|drafter_errors)", target["expr"])
+            if asked:
+                assert '$method"' not in target["expr"], panel["title"]
+                assert 'method=~"$asked"' in target["expr"], panel["title"]
+            else:
+                assert "$asked" not in target["expr"], panel["title"]
     datasource = yaml.safe_load(
         (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
     assert variables["datasource"]["current"]["value"] == datasource["uid"]

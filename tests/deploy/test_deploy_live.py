@@ -193,11 +193,14 @@ def test_recorded_ratios_keep_the_design_invariants(stack):
     rate = by_key("model_method:nodraft_spec_acceptance_rate:ratio_rate1m")
     per_pass = by_key("model_method:nodraft_spec_tokens_per_pass:ratio_rate1m")
     speedup = by_key("model_method:nodraft_spec_estimated_speedup:ratio_rate1m")
+    measured = by_key("model_method:nodraft_spec_measured_cost_speedup:ratio_rate1m")
     for model in MODELS:
         # plain decoding: nothing drafted, so no acceptance rate (not 0%); exactly 1 token
         # per pass and no draft cost
         assert (model, "none") not in rate
         assert per_pass[(model, "none")] == 1.0 and speedup[(model, "none")] == 1.0
+        # every pass of plain decoding is priced at the 1-row pass it is
+        assert measured[(model, "none")] == pytest.approx(1.0)
         for method in ("prompt_lookup", "suffix", "early_exit"):
             assert 0.0 <= rate[(model, method)] <= 1.0
             assert per_pass[(model, method)] >= 1.0
@@ -210,7 +213,7 @@ SUBSTITUTIONS = [(model, method) for model in MODELS for method in (".*", "suffi
 @pytest.mark.parametrize("title,ref,expr", TARGETS, ids=[f"{t}-{r}" for t, r, _ in TARGETS])
 def test_every_panel_query_returns_data(stack, title, ref, expr, model, method):
     query = (expr.replace("$__rate_interval", "30s")
-             .replace("$model", model).replace("$method", method))
+             .replace("$model", model).replace("$method", method).replace("$asked", method))
     result = stack.query(query)
     assert result, f"{title} ({ref}) returned no data for model={model} method={method}"
     values = [float(s["value"][1]) for s in result]
@@ -230,3 +233,4 @@ def test_dashboard_variables_list_the_models_and_methods(stack):
     assert label_values(variables["model"]["query"]["query"]) == set(MODELS)
     for model in MODELS:
         assert label_values(variables["method"]["query"]["query"], model) == set(METHODS)
+    assert set(METHODS) <= label_values(variables["asked"]["query"]["query"])

@@ -12,7 +12,9 @@ from engine.core import Engine, GenerationRequest, QueueFull
 from engine.stats import SpecStats
 from engine.verify import SamplingParams, accept, target_probs
 from tests.conftest import TINY, tiny_model
-from tests.engine.helpers import generate
+from engine.sequence import Sequence
+from micro.model import KVCache
+from tests.engine.helpers import drafter_env, generate, run_all
 
 MODEL = tiny_model()
 
@@ -62,6 +64,65 @@ def test_early_exit_cost_is_counted():
     s = seq.stats
     assert s.draft_cost > 0
     assert s.estimated_speedup == pytest.approx((s.accepted + s.target_passes) / (s.target_passes + s.draft_cost))
+
+
+def test_measured_cost_figures_price_each_pass_by_its_rows():
+    """plain seconds: (accepted + 1) one-row passes a pass; verify seconds: the table's
+    price of a pass of that many rows; draft seconds: the drafter's timed work."""
+    from drafters.costs import PassCost
+    table = PassCost({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
+    prompt = [1, 2, 3, 4] * 6
+    cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
+    reg = Registry()
+    L = MODEL.config.n_layers
+    for method, params in (("prompt_lookup", {}), ("none", {}), ("early_exit", {"exit_layer": 1})):
+        seq = Sequence(MODEL, cache, 0, list(prompt), reg.build(
+            *reg.parse({"method": method, **params}), drafter_env(MODEL)), 30, method=method,
+            pass_cost=table)
+        steps = []
+        with torch.inference_mode():
+            while not seq.done:
+                steps.append(seq.step())
+        s = seq.stats
+        assert s.plain_seconds == pytest.approx(sum((r.accepted + 1) * 1e-3 for r in steps))
+        # early exit's own pass reuses the rows below its exit: E/L of it priced at 1 row
+        reused = params.get("exit_layer", 0) / L
+        assert s.verify_seconds == pytest.approx(sum(
+            (1 - reused) * table(1 + len(r.draft)) + reused * table(1) if r.draft
+            else table(1) for r in steps))
+        assert s.draft_seconds == pytest.approx(sum(r.draft_seconds for r in steps))
+        assert s.measured_cost_speedup == pytest.approx(
+            s.plain_seconds / (s.verify_seconds + s.draft_seconds))
+        if method == "none":  # one 1-row pass a token, and no drafter to time
+            assert s.draft_seconds == 0 and s.measured_cost_speedup == pytest.approx(1.0)
+        elif method == "prompt_lookup":
+            assert s.draft_seconds > 0 and s.accepted > 0
+            # longer passes cost more than one row: below the course's estimate here
+            assert 1.0 < s.measured_cost_speedup < s.estimated_speedup
+        d = s.to_dict()
+        assert d["measured_cost_speedup"] == pytest.approx(s.measured_cost_speedup, abs=1e-4)
+
+
+def test_an_idle_engine_measures_its_pass_costs_before_any_request():
+    from drafters import costs
+    model = tiny_model(dtype=torch.float32)  # an object of its own: no table measured yet
+    assert costs.latest(model) is None
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
+    engine.start()
+    try:
+        deadline = time.monotonic() + 30
+        while costs.latest(model) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        table = costs.latest(model)
+        assert table is not None and table(17) >= table(1) > 0
+        assert not engine.idle_work()  # measured once, not again and again
+        events = run_all(engine, [GenerationRequest("tiny", [1, 2, 3, 1, 2, 3], 8,
+                                                    method="prompt_lookup")])[0]
+        stats = events[-1].stats
+        assert stats.verify_seconds > 0 and stats.plain_seconds > 0
+        assert costs.latest(model) is table
+    finally:
+        engine.stop()
 
 
 def test_stops_at_end_of_text_without_emitting_it():

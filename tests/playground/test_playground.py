@@ -8,6 +8,7 @@ The screenshot is kept in ``test-artifacts/playground.png``.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -86,6 +87,14 @@ def test_playground_in_chromium(page, live):
     assert spec["tokens_per_pass"] > 1.0
     assert float(figure(page, "a", "tokens_per_second")[1]) > 0
     assert int(figure(page, "a", "target_passes")[1]) == spec["target_passes"]
+    # both speed-up estimates, each the pane's own request's (the drafter's timed work
+    # differs from run to run, so the measured-cost one is checked against the pane's)
+    pane_spec = json.loads(page.locator("#pane-a").get_attribute("data-speculation"))
+    for name in ("measured_cost_speedup", "estimated_speedup"):
+        text, value = figure(page, "a", name)
+        assert float(value) == pytest.approx(pane_spec[name]) and text == f"{pane_spec[name]:.2f}×"
+    assert pane_spec["estimated_speedup"] == pytest.approx(spec["estimated_speedup"])
+    assert pane_spec["measured_cost_speedup"] > 0
 
     # Side by side: one prompt, two drafters, two concurrent streams; both panes fill.
     page.get_by_label("Side by side (two drafters at once)").check()
@@ -97,6 +106,7 @@ def test_playground_in_chromium(page, live):
     assert page.locator("#pane-b .tok").count() > 0
     assert page.locator("#pane-b .tok.accepted").count() == 0  # `none` drafts nothing
     assert figure(page, "b", "tokens_per_pass")[0] == "1.00"
+    assert figure(page, "b", "measured_cost_speedup")[0] == "1.00×"  # a 1-row pass a token
     assert figure(page, "b", "acceptance_rate")[0] == "n/a (nothing drafted)"
     # greedy: both drafters give the target's own output, token for token
     assert (page.locator("#pane-a .tok").all_inner_texts()

@@ -108,6 +108,14 @@ class LiveServer:
         self.sock.close()
 
 
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def wait_healthy(url: str, timeout: float, alive=lambda: True) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -1,18 +1,24 @@
-"""The server with compiled passes (``--compile true``, the default outside the tests): its
-engine process serves while the graphs compile in the background, /health says so, and once
-they are ready it answers greedy requests with the same tokens as the eager server. It
-serves micro-layerskip alone (its trained exits make early exit's graphs matter): the
-warm-up compiles a model's graphs the same way for each. (What the warm-up readies, graph
-by graph, is tested on the engine itself: tests/engine.)"""
+"""The server with compiled passes (``--compile true``, the default outside the tests): a
+process of its own builds the graphs once (engine/artifacts.py) while the engine serves
+eager, /health says so, and once they are loaded the server answers greedy requests with
+the same tokens as the eager server; a build stopped by SIGKILL never blocks the next
+start, and a later start loads the graphs instead of building them. It serves
+micro-layerskip alone (its trained exits make early exit's graphs matter): a model's
+graphs are built the same way for each. (Saving and loading graph by graph is tested on
+the engine itself: tests/engine/test_artifacts.py.)"""
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
-from server_testing import LiveServer
+from server_testing import LiveServer, alive, free_port, wait_for, wait_healthy
 
 from server.settings import Settings
 
+ROOT = Path(__file__).resolve().parents[2]
+MAX_RUNNING = 4
 METHODS = ["none", "prompt_lookup", "suffix", {"method": "early_exit", "exit_layer": 2},
            "eagle", "auto"]
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return"
@@ -37,23 +43,84 @@ def one_model(checkpoints: Path, name: str, into: Path) -> Path:
     return into
 
 
-def test_compiled_server_serves_while_warming_then_matches_eager(serve_checkpoints, live,
-                                                                 tmp_path):
+def serve_process(checkpoints: Path, cache: Path, port: int, log: Path) -> subprocess.Popen:
+    with open(log, "a") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--checkpoints",
+             str(checkpoints), "--compile", "true", "--compile-cache", str(cache),
+             "--threads", "1", "--max-running", str(MAX_RUNNING), "--log-level", "info"],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def builders(cache: Path) -> list[int]:
+    """Processes building into ``cache`` (engine.artifacts' builder)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if b"engine.artifacts" in cmd and str(cache).encode() in cmd and alive(int(proc.name)):
+            out.append(int(proc.name))
+    return out
+
+
+def wait_ready(url: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    while (health := httpx.get(url + "/health").json())["compiled"] != "ready":
+        assert health["compiled"] in ("warming", "ready"), health
+        assert time.monotonic() - t0 < timeout, f"compiled passes not ready after {timeout} s"
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def test_compiled_passes_survive_a_killed_build_then_load_at_a_warm_start(
+        serve_checkpoints, live, tmp_path):
+    """A server killed (SIGKILL) while a process of its own builds its compiled passes
+    takes the builder with it and leaves nothing that blocks the next start; the next
+    server builds them again, serving meanwhile, and then answers as the eager server
+    does; a third one loads what the second built, builds nothing, and is ready soon."""
     checkpoints = one_model(serve_checkpoints, "micro-layerskip", tmp_path / "checkpoints")
-    settings = Settings(checkpoints=checkpoints, threads=1, compile=True)
+    cache = tmp_path / "cache"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    first = serve_process(checkpoints, cache, port, tmp_path / "serve.log")
+    try:
+        wait_healthy(url, 120, lambda: first.poll() is None)
+        assert httpx.get(url + "/health").json()["compiled"] == "warming"
+        early = _complete(url, "none")  # served at once, eager, while the build runs
+        # killed once the builder has saved a graph: in the middle of the build
+        assert wait_for(lambda: any((cache / "compiled").glob("*.building-*/*/*.pt2")),
+                        timeout=600), "no graph built within 600 s"
+        building = builders(cache)
+        assert len(building) == 1
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    assert wait_for(lambda: not builders(cache), timeout=15), "the builder outlived its server"
+    partial = list((cache / "compiled").glob("*.building-*"))
+    assert partial and not list((cache / "compiled").glob("*/manifest.json"))
+
+    settings = Settings(checkpoints=checkpoints, threads=1, compile=True, compile_cache=cache,
+                        max_running=MAX_RUNNING)
     with LiveServer(settings) as server:
-        first = httpx.get(server.url + "/health").json()
-        served = httpx.get(server.url + "/v1/models").json()["data"]
-        assert [m["id"] for m in served] == ["micro-layerskip"]
-        assert first["compiled"] in ("warming", "ready")
-        early = _complete(server.url, "none")  # served at once, eager or compiled
-        end = time.monotonic() + 600
-        while httpx.get(server.url + "/health").json()["compiled"] != "ready":
-            assert time.monotonic() < end, "compiled passes not ready after 600 s"
-            time.sleep(0.5)
+        assert _complete(server.url, "none")["choices"][0]["text"] == early["choices"][0]["text"]
+        wait_ready(server.url, 900)
         for speculation in METHODS:
             got = _complete(server.url, speculation)
             want = _complete(live.url, speculation)
             assert got["choices"][0]["text"] == want["choices"][0]["text"], speculation
         assert early["choices"][0]["text"] == _complete(live.url, "none")["choices"][0]["text"]
+    assert not any(p.exists() for p in partial)  # the stale build was found and removed
+    (log,) = (cache / "compiled").glob("*.log")
+    assert "stopped before it finished" in log.read_text()
+    (manifest,) = (cache / "compiled").glob("*/manifest.json")
+    built = manifest.stat().st_mtime, log.stat().st_size
+
+    with LiveServer(settings) as server:  # a warm start: loaded, nothing built
+        wait_ready(server.url, 120)
+        for speculation in ("none", {"method": "early_exit", "exit_layer": 2}, "eagle"):
+            got = _complete(server.url, speculation)
+            assert got["choices"][0]["text"] == _complete(live.url, speculation)["choices"][0]["text"]
+    assert (manifest.stat().st_mtime, log.stat().st_size) == built and not builders(cache)
     assert httpx.get(live.url + "/health").json()["compiled"] == "off"

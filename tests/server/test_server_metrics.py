@@ -17,6 +17,9 @@ SPEC_COUNTERS = {  # metric -> the speculation figure it sums
     "nodraft_spec_accepted_tokens_total": "accepted",
     "nodraft_spec_target_passes_total": "target_passes",
     "nodraft_spec_draft_cost_passes_total": "draft_cost",
+    "nodraft_spec_plain_seconds_total": "plain_seconds",
+    "nodraft_spec_verify_seconds_total": "verify_seconds",
+    "nodraft_spec_draft_seconds_total": "draft_seconds",
 }
 PROMPT = "for i in range(10):\n    print(i)\nfor i in range(10):\n    print("
 
@@ -63,7 +66,9 @@ def test_counters_equal_the_responses(live, method):
     after = totals(url)
     for name, figure in SPEC_COUNTERS.items():
         want = sum(spec[figure] for spec, _ in results)
-        assert after[name] - before[name] == pytest.approx(want, abs=1e-3), name
+        # responses round the seconds to 1 us and the rest to 1e-4
+        tolerance = 1e-5 if name.endswith("_seconds_total") else 1e-3
+        assert after[name] - before[name] == pytest.approx(want, abs=tolerance), name
     assert after["generation"] - before["generation"] == sum(n for _, n in results)
     assert after["errors"] - before["errors"] == sum(s["drafter_errors"] for s, _ in results)
     for pos in range(max(len(s["accepted_by_position"]) for s, _ in results)):
@@ -119,7 +124,8 @@ def test_design_metric_names_present(live):
     names = {n for n, _ in metrics(live.url)}
     for name in ["nodraft_spec_draft_tokens_total", "nodraft_spec_accepted_tokens_total",
                  "nodraft_spec_target_passes_total", "nodraft_spec_draft_cost_passes_total",
-                 "nodraft_generation_tokens_total", "nodraft_prompt_tokens_total",
+                 "nodraft_spec_plain_seconds_total", "nodraft_spec_verify_seconds_total",
+                 "nodraft_spec_draft_seconds_total", "nodraft_generation_tokens_total", "nodraft_prompt_tokens_total",
                  "nodraft_requests_total", "nodraft_time_to_first_token_seconds_bucket",
                  "nodraft_inter_token_latency_seconds_bucket",
                  "nodraft_e2e_request_latency_seconds_bucket", "nodraft_requests_running",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_testing import (LiveServer, free_port, registry_with_slow, sse_payloads, wait_for,
-                            wait_healthy)
+from server_testing import (LiveServer, alive, free_port, registry_with_slow, sse_payloads,
+                            wait_for, wait_healthy)
 
 from server.settings import Settings
 
@@ -68,14 +68,6 @@ def engine_pid(server_pid: int) -> int:
                if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(engines) == 1, children
     return engines[0]
-
-
-def alive(pid: int) -> bool:
-    """A process that exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def server_output(proc) -> str:

@@ -1,0 +1,305 @@
+"""Compiled passes built once per machine, off the serving path, and loaded at start.
+
+``nodraft compile`` (or the server, the first time it starts on a machine) builds every
+graph the engine's compiled passes use -- each model's single-sequence passes (one row and
+several, every early-exit range) and EAGLE's draft steps -- in a process of its own, and
+saves them with ``torch.compile``'s AOT precompilation (``micro.compiled.Precompiled``): a
+saved graph loads in a fraction of a second and runs without dynamo tracing it again. The
+kernels inductor generated for them sit in inductor's cache beside them
+(``TORCHINDUCTOR_CACHE_DIR`` defaults to ``<cache>/inductor``).
+
+Layout, under ``<cache>/compiled`` (``<cache>``: ``--compile-cache``, else
+``$NODRAFT_COMPILE_CACHE``, else ``$XDG_CACHE_HOME/nodraft``, else ``~/.cache/nodraft``)::
+
+    <key>/manifest.json       written last: the build is complete
+    <key>/<model>/*.pt2       one graph per file (and a .json naming its family)
+    <key>/<model>/eagle-*/    EAGLE's draft steps for that model
+    <key>.lock                held (flock) by the process building <key>
+    <key>.building-<pid>/     a build in progress; renamed to <key>/ when done
+    <key>.failed              why the last build failed
+    <key>.log                 the log of a build the server started
+
+The key is a hash of everything that invalidates the graphs: torch's and Python's
+versions, the CPU's vector unit and flags, every checkpoint file (hashed), the code that
+defines the graphs, the matrix product in use and the KV cache's shape (``--max-running``).
+
+Nothing can wedge it. The lock is an ``flock``, which the kernel releases when its holder
+dies however it dies; a build that finds a ``.building-*`` folder under the lock knows its
+builder is gone, logs it and removes it. A failed build writes why, and the server stays
+eager and says so on ``/health``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("nodraft.artifacts")
+
+ROOT = Path(__file__).resolve().parents[1]
+# the code that defines the graphs and how they are saved: any change rebuilds them
+CODE = ("micro/compiled.py", "micro/model.py", "micro/gemm.py", "micro/csrc/gemm.cpp",
+        "drafters/eagle.py")
+VERSION = 1  # of this layout and of how graphs are saved: a change rebuilds them
+
+
+def cache_home(explicit: str | os.PathLike | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    if os.environ.get("NODRAFT_COMPILE_CACHE"):
+        return Path(os.environ["NODRAFT_COMPILE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "nodraft"
+
+
+def use_inductor_cache(home: Path) -> None:
+    """Point inductor's cache beside the artifacts, unless the user chose one: the loaded
+    graphs' kernels are found there, not built again."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "inductor"))
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def key_parts(config) -> dict:
+    """What the key hashes, readable (``manifest.json`` keeps it)."""
+    import torch
+
+    from micro import gemm
+    from micro.model import MicroConfig  # noqa: F401 (the config's defaults are code)
+
+    directory = Path(config.checkpoints)
+    return {
+        "layout": VERSION,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],
+        "product": gemm.choose(config.gemm),
+        "max_running": config.max_running,
+        "checkpoints": {p.name: _file_hash(p)[:16]
+                        for p in sorted(directory.glob("*.safetensors"))},
+        "code": hashlib.sha256(b"".join((ROOT / c).read_bytes() for c in CODE)).hexdigest()[:16],
+    }
+
+
+class Store:
+    """The artifacts of one engine configuration on this machine."""
+
+    def __init__(self, config, home: str | os.PathLike | None = None):
+        self.config = config
+        self.home = cache_home(home)
+        self.parts = key_parts(config)
+        self.key = hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()[:20]
+        self.root = self.home / "compiled"
+        self.path = self.root / self.key
+        self.lock_path = self.root / f"{self.key}.lock"
+        self.failed_path = self.root / f"{self.key}.failed"
+        self.log_path = self.root / f"{self.key}.log"
+
+    def complete(self) -> bool:
+        return (self.path / "manifest.json").is_file()
+
+    def failure(self) -> str | None:
+        try:
+            return json.loads(self.failed_path.read_text())["error"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    @contextlib.contextmanager
+    def locked(self):
+        """The build lock: an ``flock``, released by the kernel when its holder dies."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.lock_path, "a") as held:
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("nodraft: another process is building %s; waiting for it", self.path)
+                fcntl.flock(held, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(held, fcntl.LOCK_UN)
+
+    # -- building (in a process of its own) --------------------------------------------------
+    def build(self) -> Path:
+        """Build every graph into this store (the caller's process compiles); a complete
+        store is left as it is. Returns the store's folder."""
+        with self.locked():
+            if self.complete():
+                log.info("nodraft: the compiled passes are already built: %s", self.path)
+                return self.path
+            self._remove_stale_builds()
+            self.failed_path.unlink(missing_ok=True)
+            tmp = self.root / f"{self.key}.building-{os.getpid()}"
+            t0 = time.perf_counter()
+            try:
+                graphs = self._compile_into(tmp)
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if not isinstance(e, KeyboardInterrupt):
+                    self.failed_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+                raise
+            manifest = {"key": self.key, "parts": self.parts, "graphs": graphs,
+                        "seconds": round(time.perf_counter() - t0, 1), "built": time.time()}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            if self.path.exists():  # an incomplete folder of an older layout
+                shutil.rmtree(self.path)
+            os.rename(tmp, self.path)
+            log.info("nodraft: %d compiled graphs built in %.0f s: %s", graphs,
+                     manifest["seconds"], self.path)
+            return self.path
+
+    def _remove_stale_builds(self) -> None:
+        """Partial builds whose builder is gone (their key's lock is free; ours is held):
+        this key's, and those other configurations left behind."""
+        for stale in self.root.glob("*.building-*"):
+            key = stale.name.split(".building-")[0]
+            if key != self.key:
+                with open(self.root / f"{key}.lock", "a") as other:
+                    try:
+                        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # being built right now
+                    fcntl.flock(other, fcntl.LOCK_UN)
+            log.warning("nodraft: removing %s, a build that was stopped before it finished%s",
+                        stale, "; building again" if key == self.key else "")
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def _compile_into(self, folder: Path) -> int:
+        import torch
+
+        from engine.process import build_engine
+
+        torch.set_num_threads(1)  # the graphs are generated for one thread (Engine.warm_up)
+        engine = build_engine(dataclasses.replace(self.config, compile=True))
+        for name, model in engine.models.items():
+            model.compiled.export_to = folder / name
+            model.compiled.lazy = True
+        engine._compile_all()
+        if engine.compiled_error is not None:
+            raise RuntimeError(engine.compiled_error)
+        return sum(1 for _ in folder.rglob("*.pt2"))
+
+    # -- the server's side -------------------------------------------------------------------
+    def ensure(self) -> Path:
+        """The store's folder, built first by a process of its own if it is not complete
+        (at the lowest priority, on every core, dying with its parent). Raises with the
+        reason when the build fails."""
+        if self.complete():
+            return self.path
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "engine.artifacts", "build",
+                "--checkpoints", str(self.config.checkpoints),
+                "--max-running", str(self.config.max_running), "--gemm", self.config.gemm,
+                "--compile-cache", str(self.home)]
+        log.info("nodraft: building the compiled passes in a process of their own (log: "
+                 "%s); served eager until then", self.log_path)
+        with open(self.log_path, "ab") as out:
+            child = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, preexec_fn=_builder_preexec)
+            rc = child.wait()
+        if rc != 0 or not self.complete():
+            why = self.failure() or _last_line(self.log_path) or f"exit status {rc}"
+            raise RuntimeError(f"building the compiled passes failed ({why}); log: {self.log_path}")
+        return self.path
+
+
+def _builder_preexec() -> None:
+    """In the builder, before it starts: the lowest priority, every core (not the engine's
+    affinity), and death with the thread that started it."""
+    os.nice(19)
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][-300:] if lines else ""
+
+
+def load(engine, folder: Path) -> int:
+    """Load a store's graphs into the engine's compiled models; returns how many."""
+    n = 0
+    for name, model in engine.models.items():
+        if model.compiled is not None and (folder / name).is_dir():
+            n += model.compiled.load(folder / name)
+    return n
+
+
+# -- nodraft compile -----------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> None:
+    from micro.checkpoint import CHECKPOINT_DIR
+    from engine.process import EngineConfig
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["build"]:  # the server's builder: the same, quieter
+        argv = argv[1:]
+    p = argparse.ArgumentParser(
+        prog="nodraft compile", description="Build the compiled passes for this machine "
+        "ahead of time (a Docker build stage, an init container); the server loads them "
+        "at start. Use the server's --checkpoints, --max-running and --gemm.")
+    p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR))
+    p.add_argument("--max-running", type=int, default=32,
+                   help="as the server's --max-running: the KV cache's shape (32)")
+    p.add_argument("--gemm", default="auto", choices=("auto", "torch"))
+    p.add_argument("--compile-cache", default=None, help="as the server's --compile-cache: "
+                   "where to keep them (default: "
+                   "$NODRAFT_COMPILE_CACHE, else $XDG_CACHE_HOME/nodraft, else ~/.cache/nodraft)")
+    p.add_argument("--print-path", action="store_true",
+                   help="only print the folder this configuration's artifacts go to")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    home = cache_home(args.compile_cache)
+    use_inductor_cache(home)
+    store = Store(EngineConfig(args.checkpoints, max_running=args.max_running, gemm=args.gemm),
+                  home)
+    if args.print_path:
+        print(store.path)
+        return
+    print(f"nodraft compile: {store.path}", flush=True)
+    try:
+        store.build()
+    except Exception as e:
+        print(f"nodraft compile: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(f"nodraft compile: done: {store.path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Compiled passes built once and loaded (micro/compiled.py ``Precompiled``,
+engine/artifacts.py): a saved graph loads in another process and runs there at once --
+nothing traced, nothing compiled -- with the numbers of the graph that was saved; the
+artifacts' key changes with what invalidates them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import artifacts
+from engine.process import EngineConfig
+from micro.model import KVCache, MicroConfig
+from tests.conftest import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = MicroConfig(vocab_size=300, dim=32, n_layers=2, n_heads=2, ffn_dim=64,
+                    max_positions=64)
+
+# In a fresh interpreter: the same model (same seed), its saved families loaded, one pass of
+# each size run, and what dynamo traced meanwhile.
+LOAD = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch._dynamo.utils import counters
+    from micro.model import KVCache
+    from tests.conftest import tiny_model
+    from tests.engine.test_artifacts import SMALL, passes
+    torch.set_num_threads(1)
+    model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
+    n = model.compiled.load(sys.argv[1])
+    out = passes(model)
+    print(json.dumps({"loaded": n, "frames": sum(counters["frames"].values()),
+                      "running": len(model.compiled.precompiled.fns), "out": out}))
+""")
+
+
+def passes(model) -> list[list[float]]:
+    """Logits of a 1-row and a 5-row pass after 9 cached rows (and a 3-row one after 20)."""
+    cache = KVCache(model.config, 2)
+    out = []
+    with torch.inference_mode():
+        ids = torch.arange(30) % model.config.vocab_size
+        model(ids[None, :20], cache=cache, slot=1, start=0)  # eager prefill
+        for T, start in ((1, 9), (5, 9), (3, 20)):
+            logits, _ = model.verify_pass(ids[start:start + T], cache, 1, start)
+            out.append(logits[-1, :8].tolist())
+    return out
+
+
+def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
+    torch.set_num_threads(1)
+    model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
+    model.compiled.export_to = tmp_path / "tiny"
+    model.compiled.warm_up(KVCache(SMALL, 2), 0, early_exit=False)
+    saved = sorted(p.name for p in (tmp_path / "tiny").iterdir())
+    assert saved == ["passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
+                     "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2"]
+    want = passes(model)  # the saved graphs, run in this process
+    eager = passes(tiny_model(dtype=torch.float32, config=SMALL))
+    done = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "tiny")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # loaded, run (none refused by its guards: it would have run eager) and nothing traced
+    assert got["loaded"] == 2 and got["running"] == 2 and got["frames"] == 0
+    torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(want), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(eager), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_the_key_changes_with_what_invalidates_the_graphs(tmp_path):
+    (tmp_path / "micro.safetensors").write_bytes(b"weights")
+    config = EngineConfig(str(tmp_path), max_running=4, gemm="torch")
+    a = artifacts.Store(config, tmp_path / "cache")
+    assert artifacts.Store(config, tmp_path / "cache").key == a.key  # stable
+    assert artifacts.Store(dataclasses.replace(config, max_running=8), tmp_path / "cache").key != a.key
+    (tmp_path / "micro.safetensors").write_bytes(b"other weights")
+    assert artifacts.Store(config, tmp_path / "cache").key != a.key
+    assert a.path == tmp_path / "cache" / "compiled" / a.key
+    assert set(a.parts) >= {"torch", "python", "cpu", "cpu_flags", "product", "max_running",
+                            "checkpoints", "code"}
+
+
+def test_a_stale_partial_build_is_removed_under_the_lock(tmp_path, caplog, monkeypatch):
+    (tmp_path / "micro.safetensors").write_bytes(b"weights")
+    store = artifacts.Store(EngineConfig(str(tmp_path), gemm="torch"), tmp_path / "cache")
+    stale = store.root / f"{store.key}.building-12345"
+    (stale / "micro").mkdir(parents=True)
+
+    def fake_compile(folder: Path) -> int:  # what a build leaves: graphs in its folder
+        (folder / "micro").mkdir(parents=True)
+        (folder / "micro" / "g.pt2").write_bytes(b"")
+        return 1
+    monkeypatch.setattr(store, "_compile_into", fake_compile)
+    with caplog.at_level("INFO"):
+        assert store.build() == store.path
+    assert "stopped before it finished" in caplog.text and not stale.exists()
+    assert store.complete() and json.loads((store.path / "manifest.json").read_text())["graphs"] == 1
+
+    def failing(folder: Path) -> int:
+        raise RuntimeError("no C++ compiler")
+    other = artifacts.Store(EngineConfig(str(tmp_path), max_running=2, gemm="torch"),
+                            tmp_path / "cache")
+    monkeypatch.setattr(other, "_compile_into", failing)
+    with pytest.raises(RuntimeError):
+        other.build()
+    assert other.failure() == "RuntimeError: no C++ compiler" and not other.complete()
+    assert not list(other.root.glob(f"{other.key}.building-*"))
+
+
+def test_a_failed_build_leaves_the_engine_serving_eager():
+    from drafters.registry import Registry
+    from engine.core import Engine, GenerationRequest
+    from tests.engine.helpers import run_all
+
+    model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
+
+    def build():
+        raise RuntimeError("building the compiled passes failed (no C++ compiler)")
+    engine.warm_up(load=build).join(timeout=60)
+    assert not engine.compiled_ready and "no C++ compiler" in engine.compiled_error
+    assert model.compiled is None  # eager from now on
+    engine.start()
+    try:
+        (events,) = run_all(engine, [GenerationRequest("tiny", [1, 2, 3], 5)])
+        assert events[-1].kind == "finish" and sum(len(e.step.tokens) for e in events
+                                                   if e.kind == "step") == 5
+    finally:
+        engine.stop()
