@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import fcntl
 import hashlib
@@ -41,7 +40,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -96,7 +94,6 @@ def key_parts(config) -> dict:
     import torch
 
     from micro import gemm
-    from micro.model import MicroConfig  # noqa: F401 (the config's defaults are code)
 
     directory = Path(config.checkpoints)
     return {
@@ -222,12 +219,12 @@ class Store:
         argv = [sys.executable, "-m", "engine.artifacts", "build",
                 "--checkpoints", str(self.config.checkpoints),
                 "--max-running", str(self.config.max_running), "--gemm", self.config.gemm,
-                "--compile-cache", str(self.home)]
+                "--compile-cache", str(self.home), "--parent-pid", str(os.getpid())]
         log.info("nodraft: building the compiled passes in a process of their own (log: "
                  "%s); served eager until then", self.log_path)
         with open(self.log_path, "ab") as out:
             child = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, preexec_fn=_builder_preexec)
+                                     stdin=subprocess.DEVNULL)
             rc = child.wait()
         if rc != 0 or not self.complete():
             why = self.failure() or _last_line(self.log_path) or f"exit status {rc}"
@@ -235,14 +232,15 @@ class Store:
         return self.path
 
 
-def _builder_preexec() -> None:
-    """In the builder, before it starts: the lowest priority, every core (not the engine's
-    affinity), and death with the thread that started it."""
+def _as_a_background_build(parent_pid: int) -> None:
+    """The server's builder: the lowest priority, every core (not the engine's affinity),
+    and death with the engine that started it (``PR_SET_PDEATHSIG``; gone already: exit)."""
+    from engine.process import die_with_parent
+
+    die_with_parent(parent_pid)
     os.nice(19)
     with contextlib.suppress(AttributeError, OSError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _last_line(path: Path) -> str:
@@ -283,7 +281,10 @@ def main(argv: list[str] | None = None) -> None:
                    "$NODRAFT_COMPILE_CACHE, else $XDG_CACHE_HOME/nodraft, else ~/.cache/nodraft)")
     p.add_argument("--print-path", action="store_true",
                    help="only print the folder this configuration's artifacts go to")
+    p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.parent_pid is not None:  # started by a server's engine
+        _as_a_background_build(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     home = cache_home(args.compile_cache)
     use_inductor_cache(home)

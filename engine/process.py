@@ -124,7 +124,7 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
                        parent_pid: int) -> None:
     """The engine process's main function (multiprocessing's target)."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -235,7 +235,7 @@ class EngineCore:
             events, load[0], load[1], status[0], status[1])))
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
     if sys.platform.startswith("linux"):
         try:
