@@ -817,7 +817,7 @@ class CompiledDraft:
                 self._core(depth, top_k, keep), DRAFT_OPTIONS, args)
         if aot is not None:
             try:
-                tokens, parents, root, k_new, v_new = aot(*args)
+                tokens, parents, root, k_new, v_new = self.precompiled(shape, args)
             except RuntimeError as e:  # its guards refuse these inputs: eager from now on
                 if "GuardManager check failed" not in str(e):
                     raise

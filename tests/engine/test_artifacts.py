@@ -61,7 +61,7 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
     model.compiled.export_to = tmp_path / "tiny"
     model.compiled.warm_up(KVCache(SMALL, 2), 0, early_exit=False)
-    saved = sorted(p.name for p in (tmp_path / "tiny").iterdir())
+    saved = sorted(p.name.split("-")[0] + p.suffix for p in (tmp_path / "tiny").iterdir())
     assert saved == ["passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
                      "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2"]
     want = passes(model)  # the saved graphs, run in this process
