@@ -99,7 +99,7 @@ def wait_health(url: str, t0: float, until: str | None, timeout: float) -> tuple
         h = health(url)
         if h is not None and answered is None:
             answered = round(time.time() - t0, 2)
-        if until is None and answered is not None or h == until:
+        if answered is not None and (until is None or h == until):
             said = round(time.time() - t0, 2)
             break
         time.sleep(0.1)
