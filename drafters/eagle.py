@@ -159,6 +159,7 @@ and cost at most 0.5 points on held-out text (0.57 -> 0.57 and 0.55 -> 0.55 at d
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 import time
@@ -174,6 +175,8 @@ from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, SpeculationError
 from micro.compiled import MIN_CONTEXT, OPTIONS
 from micro.model import Block, Micro, MicroConfig, additive_mask, apply_rope
+
+log = logging.getLogger("nodraft.eagle")
 
 
 def layer_macs(c: MicroConfig) -> int:
@@ -821,8 +824,13 @@ class CompiledDraft:
             except RuntimeError as e:  # its guards refuse these inputs: eager from now on
                 if "GuardManager check failed" not in str(e):
                     raise
+                from micro.compiled import guard_reason
+
                 self.precompiled.fns.pop(shape, None)
                 self._ready.discard(shape)
+                log.warning("nodraft: a precompiled EAGLE draft step (%s) does not fit this "
+                            "step, which drafts eager from now on: %s", shape[:4],
+                            guard_reason(e))
                 return None
         else:
             tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(*args)

@@ -199,8 +199,9 @@ def test_recorded_ratios_keep_the_design_invariants(stack):
         # per pass and no draft cost
         assert (model, "none") not in rate
         assert per_pass[(model, "none")] == 1.0 and speedup[(model, "none")] == 1.0
-        # every pass of plain decoding is priced at the 1-row pass it is
-        assert measured[(model, "none")] == pytest.approx(1.0)
+        # plain decoding's passes are priced at the 1-row pass they are; `auto`'s steps
+        # without a draft count under `none` too, with the time auto spent deciding
+        assert 0.9 <= measured[(model, "none")] <= 1.0
         for method in ("prompt_lookup", "suffix", "early_exit"):
             assert 0.0 <= rate[(model, method)] <= 1.0
             assert per_pass[(model, method)] >= 1.0

@@ -405,6 +405,12 @@ def test_server_default_speculation(serve_checkpoints):
             pass
 
 
+def counted(spec: dict) -> dict:
+    """A response's figures but those timed on the machine (they differ run to run)."""
+    timed = {"plain_seconds", "verify_seconds", "draft_seconds", "measured_cost_speedup"}
+    return {k: v for k, v in spec.items() if k not in timed}
+
+
 def test_engine_thread_mode_serves_what_the_engine_process_serves(serve_checkpoints, live):
     """``--engine-process false``: the engine on a thread of the API process, through the
     same client seam: the same tokens, figures and counters as the engine process."""
@@ -419,6 +425,6 @@ def test_engine_thread_mode_serves_what_the_engine_process_serves(serve_checkpoi
             assert here.status_code == there.status_code == 200
             assert here.json()["choices"] == there.json()["choices"]
             if req["speculation"] != "suffix":  # suffix's store holds each server's past
-                assert here.json()["speculation"] == there.json()["speculation"]
+                assert counted(here.json()["speculation"]) == counted(there.json()["speculation"])
         assert metric(thread_server.url, "nodraft_generation_tokens_total") == 4 * 24
         assert c.get("/health").json() == {"status": "ok", "compiled": "off"}
