@@ -76,10 +76,8 @@ _dynamo_config.accumulated_cache_size_limit = max(_dynamo_config.accumulated_cac
 #
 # freezing off: frozen parameters become constants of the generated code, so a saved graph
 # would carry its model's weights and be valid for that checkpoint only; as graph inputs
-# the (in, out) copies (``transposed_weights``) are read the same way. Same process,
-# alternated, one thread, 100 cached rows: a 1-row pass 0.99x and a 5-row pass 0.92x the
-# time of the frozen graph's (when the graphs multiplied by the modules' weights, freezing
-# prepacked them for MKL and paid; the copies are faster still).
+# the (in, out) copies (``transposed_weights``) are read the same way, no slower
+# (docs/ARCHITECTURE.md, "Compiled passes").
 OPTIONS = {"freezing": False, "size_asserts": False}
 
 log = logging.getLogger("nodraft.compiled")
@@ -268,10 +266,10 @@ class Precompiled:
     def __call__(self, family: tuple, args: tuple):
         """Run a family's graph. Its first call in this process checks dynamo's guards
         (raising ``RuntimeError`` if they refuse: the caller runs eager); later calls skip
-        them. Checked in Python, they cost ~30 us a call (a 1-row pass is ~400 us here),
-        and what they protect is the family itself -- its shapes, dtype and mode are its
-        key, and the engine calls it only with inputs of that kind (at offset 0, as its
-        first call was)."""
+        them. A loaded graph checks its guards in Python, a cost a small pass notices
+        (docs/ARCHITECTURE.md), and what they protect is the family itself -- its shapes,
+        dtype and mode are its key, and the engine calls it only with inputs of that kind
+        (at offset 0, as its first call was)."""
         fn = self.fns[family]
         out = fn(*args)
         if family not in self._trusted:
