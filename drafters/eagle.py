@@ -159,7 +159,6 @@ and cost at most 0.5 points on held-out text (0.57 -> 0.57 and 0.55 -> 0.55 at d
 from __future__ import annotations
 
 import json
-import logging
 import math
 import threading
 import time
@@ -175,8 +174,6 @@ from drafters.base import Draft, DraftContext
 from drafters.registry import DrafterEnv, SpeculationError
 from micro.compiled import MIN_CONTEXT, OPTIONS
 from micro.model import Block, Micro, MicroConfig, additive_mask, apply_rope
-
-log = logging.getLogger("nodraft.eagle")
 
 
 def layer_macs(c: MicroConfig) -> int:
@@ -750,7 +747,7 @@ class CompiledDraft:
         # loaded from there, in a folder of this head's own
         from micro.compiled import Precompiled
 
-        self.precompiled = Precompiled()
+        self.precompiled = Precompiled("EAGLE draft step")
         self.folder = f"eagle-{Path(loaded.path).stem}"
         if compiled.export_to is not None:
             self.precompiled.export_to = compiled.export_to / self.folder
@@ -819,19 +816,11 @@ class CompiledDraft:
                 f"draft_{depth}_{top_k}_{keep}_{'rows' if T > 1 else 'row'}", shape,
                 self._core(depth, top_k, keep), DRAFT_OPTIONS, args)
         if aot is not None:
-            try:
-                tokens, parents, root, k_new, v_new = self.precompiled(shape, args)
-            except RuntimeError as e:  # its guards refuse these inputs: eager from now on
-                if "GuardManager check failed" not in str(e):
-                    raise
-                from micro.compiled import guard_reason
-
-                self.precompiled.fns.pop(shape, None)
+            got = self.precompiled(shape, args)
+            if got is None:  # refused by its guards: eager from now on
                 self._ready.discard(shape)
-                log.warning("nodraft: a precompiled EAGLE draft step (%s) does not fit this "
-                            "step, which drafts eager from now on: %s", shape[:4],
-                            guard_reason(e))
                 return None
+            tokens, parents, root, k_new, v_new = got
         else:
             tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(*args)
         if fresh:

@@ -204,8 +204,7 @@ class Engine:
             compiled = model.compiled
             if compiled is None or self._stop or not self._accepting:  # stopping or draining
                 continue
-            scratch = KVCache(model.config, self.caches[name].n_slots,
-                              self.caches[name].max_len, self.caches[name].k.dtype)
+            scratch = self._scratch(name)
             try:
                 compiled.warm_up(scratch, 0)
             except Exception as e:  # no C++ compiler, an inductor bug: serve eager
@@ -214,6 +213,11 @@ class Engine:
             del scratch
             if model.compiled is not None:
                 self._warm_up_drafters(name, model)
+
+    def _scratch(self, name: str) -> KVCache:
+        """A KV cache shaped like the engine's for ``name``: graphs are built per shape."""
+        c = self.caches[name]
+        return KVCache(self.models[name].config, c.n_slots, c.max_len, c.k.dtype)
 
     def _load_all(self, load: Callable[[], None]) -> None:
         try:
@@ -226,10 +230,7 @@ class Engine:
         for name, model in self.models.items():
             if model.compiled is None or self._stop or not self._accepting:
                 continue
-            c = self.caches[name]
-            scratch = KVCache(model.config, c.n_slots, c.max_len, c.k.dtype)
-            model.compiled.warm_up(scratch, 0, compile=False)
-            del scratch
+            model.compiled.warm_up(self._scratch(name), 0, compile=False)
             self._warm_up_drafters(name, model, compile=False)
 
     def _warm_up_drafters(self, name: str, model: Micro, compile: bool = True) -> None:

@@ -197,13 +197,11 @@ class CompiledPasses:
                 f"passes_{lo}_{hi}{'_head' if head else ''}_{'rows' if T > 1 else 'row'}",
                 family, self._core(lo, hi, head), OPTIONS, args)
         if aot is not None:
-            try:
-                out, logits, k_new, v_new = self.precompiled(family, args)
-            except RuntimeError as e:  # its guards refuse these inputs: eager, and say why
-                if "GuardManager check failed" not in str(e):
-                    raise
-                self._refused(family, e)
+            got = self.precompiled(family, args)
+            if got is None:  # refused by its guards: eager from now on
+                self._ready.discard(family)
                 return None
+            out, logits, k_new, v_new = got
         else:
             out, logits, k_new, v_new = self._fn(lo, hi, head)(*args)
         if fresh:
@@ -212,14 +210,6 @@ class CompiledPasses:
         k_slot[:, :, start:start + T] = k_new
         v_slot[:, :, start:start + T] = v_new
         return out, logits
-
-    def _refused(self, family: tuple, e: Exception) -> None:
-        """A precompiled graph whose guards refuse a pass (another thread count, another
-        kind of tensor): that family runs eager from now on, and the log says why."""
-        self.precompiled.fns.pop(family, None)
-        self._ready.discard(family)
-        log.warning("nodraft: a precompiled pass (%s) does not fit this pass, which runs "
-                    "eager from now on: %s", family[:4], guard_reason(e))
 
     @torch.inference_mode()
     def warm_up(self, cache, slot: int, early_exit: bool = True, compile: bool = True) -> float:
@@ -258,20 +248,30 @@ class Precompiled:
     reads every family saved in a folder. Families are named by their owner; ``families``
     maps a file's stem to its family tuple."""
 
-    def __init__(self):
+    def __init__(self, what: str = "pass"):
+        self.what = what  # for the log: what a graph computes
         self.export_to: Path | None = None
         self.fns: dict[tuple, object] = {}
         self._trusted: set[tuple] = set()
 
     def __call__(self, family: tuple, args: tuple):
-        """Run a family's graph. Its first call in this process checks dynamo's guards
-        (raising ``RuntimeError`` if they refuse: the caller runs eager); later calls skip
-        them. A loaded graph checks its guards in Python, a cost a small pass notices
-        (docs/ARCHITECTURE.md), and what they protect is the family itself -- its shapes,
-        dtype and mode are its key, and the engine calls it only with inputs of that kind
-        (at offset 0, as its first call was)."""
+        """Run a family's graph; None if its guards refuse these inputs (another thread
+        count, another kind of tensor): the family is then dropped -- the caller runs it
+        eager from now on -- and the log says why. Guards are checked at a family's first
+        call in this process and skipped after: a loaded graph checks them in Python, a
+        cost a small pass notices (docs/ARCHITECTURE.md), and what they protect is the
+        family itself -- its shapes, dtype and mode are its key, and the engine calls it
+        only with inputs of that kind (at offset 0, as its first call was)."""
         fn = self.fns[family]
-        out = fn(*args)
+        try:
+            out = fn(*args)
+        except RuntimeError as e:
+            if "GuardManager check failed" not in str(e):
+                raise
+            del self.fns[family]
+            log.warning("nodraft: a precompiled %s (%s) does not fit its inputs and runs "
+                        "eager from now on: %s", self.what, family[:4], guard_reason(e))
+            return None
         if family not in self._trusted:
             fn.disable_guard_check()
             self._trusted.add(family)
