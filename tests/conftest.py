@@ -16,6 +16,12 @@ from micro.model import Micro, MicroConfig
 # tests/server/test_server_compiled.py and tests/engine/test_compiled.py cover them.
 os.environ.setdefault("NODRAFT_COMPILE", "false")
 
+# One torch thread in the test process: the tests decode tiny models one sequence at a time,
+# where every op is microseconds and a second OpenMP thread only adds its fork and join
+# (3x slower on 2 cores). Tests about threads set their own; servers they start are
+# processes of their own, with their own settings.
+torch.set_num_threads(1)
+
 TINY = MicroConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=64, max_positions=128)
 
 
