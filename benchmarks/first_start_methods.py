@@ -2,7 +2,7 @@
 venv; every cache it uses is empty at the start (a temporary folder).
 
     python benchmarks/first_start_methods.py [--kill-after 20] [--seconds 900] [--every 5]
-                                             [--port 8123] [--json-out FILE]
+                                             [--port 8123] [--warm-starts 3] [--json-out FILE]
 
 1. **Eager reference**: a ``--compile false`` server; each method's 32-token sampled
    completion (temperature 0.8, seeded), the median of 3, so the requests below have a
@@ -13,8 +13,9 @@ venv; every cache it uses is empty at the start (a temporary folder).
    first second until its compiled passes are ready (or ``--seconds`` pass). Reports when
    ``/health`` first answered, when it said ``ready``, and each method's slowest latency
    meanwhile against its eager reference.
-3. **Warm start**: that server stopped and a new one started on the same caches: when
-   ``/health`` answered and said ``ready``, and each method's first request after that.
+3. **Warm starts**: that server stopped and a new one started on the same caches, then
+   again (``--warm-starts`` in all): when ``/health`` answered and said ``ready``, and each
+   method's first request after that.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=900.0)
     p.add_argument("--every", type=float, default=5.0)
     p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--warm-starts", type=int, default=3)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     caches = tempfile.mkdtemp(prefix="nodraft-first-start-")
@@ -167,20 +169,22 @@ def main(argv: list[str] | None = None) -> None:
                        "rows": rows}
         print("cold:", {k: v for k, v in out["cold"].items() if k != "rows"}, flush=True)
 
-        # 3. a warm start on the same caches
-        server, t0 = start(args.port, env, log), time.time()
-        watch = Watch(url, t0)
-        while watch.ready is None and time.time() - t0 < 300:
-            time.sleep(0.05)
-        answered, ready = watch.close()
-        first = {m: complete(url, m) for m in METHODS}
-        again = {m: complete(url, m)[1] for m in METHODS}
-        stop(server)
-        out["warm"] = {"health": answered, "ready": ready,
-                       "first_request": {m: s for m, (_, s) in first.items()},
-                       "second_request": again,
-                       "statuses": sorted({str(st) for st, _ in first.values()})}
-        print("warm:", out["warm"], flush=True)
+        # 3. warm starts on the same caches
+        out["warm"] = []
+        for _ in range(args.warm_starts):
+            server, t0 = start(args.port, env, log), time.time()
+            watch = Watch(url, t0)
+            while watch.ready is None and time.time() - t0 < 300:
+                time.sleep(0.05)
+            answered, ready = watch.close()
+            first = {m: complete(url, m) for m in METHODS}
+            again = {m: complete(url, m)[1] for m in METHODS}
+            stop(server)
+            out["warm"].append({"health": answered, "ready": ready,
+                                "first_request": {m: s for m, (_, s) in first.items()},
+                                "second_request": again,
+                                "statuses": sorted({str(st) for st, _ in first.values()})})
+            print("warm:", out["warm"][-1], flush=True)
     print(f"caches and log in {caches}")
     if args.json_out:
         with open(args.json_out, "w") as f:

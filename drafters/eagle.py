@@ -763,7 +763,8 @@ class CompiledDraft:
         self._loaded_from = folder
         if (folder / self.folder).is_dir():
             self._ready.update(self.precompiled.load(folder / self.folder,
-                                                     lambda f: self._core(*f[:3])))
+                                                     lambda f: self._core(*f[:3]),
+                                                     self.compiled.between_loads))
 
     def _core(self, depth: int, top_k: int, keep: int):
         from micro.compiled import named_code

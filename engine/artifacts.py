@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -65,8 +66,27 @@ def cache_home(explicit: str | os.PathLike | None = None) -> Path:
 
 def use_inductor_cache(home: Path) -> None:
     """Point inductor's cache beside the artifacts, unless the user chose one: the loaded
-    graphs' kernels are found there, not built again."""
+    graphs' kernels are found there, not built again. Before dynamo is imported: its import
+    settles the folder (torch's default unless the variable is set)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home / "inductor"))
+
+
+# What a loaded graph's generated code imports (its header), a few seconds of imports the
+# first time: ``import_runtime`` does them before the engine serves.
+RUNTIME_MODULES = ("torch._inductor.codecache", "torch._inductor.async_compile",
+                   "torch._inductor.select_algorithm", "torch._inductor.codegen.memory_planning",
+                   "torch._inductor.hooks", "torch._inductor.utils",
+                   "torch._functorch._aot_autograd.aot_autograd_result")
+
+
+def import_runtime() -> None:
+    """Import what loading and running a saved graph needs (a name this torch lacks is
+    skipped: the load imports what it needs all the same, only later)."""
+    for name in RUNTIME_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            log.debug("nodraft: no module %s in this torch", name)
 
 
 def _cpu_flags() -> str:
@@ -235,7 +255,7 @@ class Store:
 def _as_a_background_build(parent_pid: int) -> None:
     """The server's builder: the lowest priority, every core (not the engine's affinity),
     and death with the engine that started it (``PR_SET_PDEATHSIG``; gone already: exit)."""
-    from engine.process import die_with_parent
+    from engine.launch import die_with_parent
 
     die_with_parent(parent_pid)
     os.nice(19)
@@ -263,7 +283,7 @@ def load(engine, folder: Path) -> int:
 # -- nodraft compile -----------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
     from micro.checkpoint import CHECKPOINT_DIR
-    from engine.process import EngineConfig
+    from engine.launch import EngineConfig
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["build"]:  # the server's builder: the same, quieter

@@ -27,7 +27,6 @@ import itertools
 import multiprocessing
 import os
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -38,8 +37,8 @@ import zmq.asyncio
 
 from engine import messages
 from engine.core import EngineDead, EngineStopped, Event, GenerationRequest, QueueFull
-from engine.process import (EngineConfig, build_engine, compiled_status, run_engine_process,
-                            start_warm_up)
+from engine.launch import EngineConfig, Launched, launch
+from engine.process import build_engine, compiled_status, start_warm_up
 
 START_TIMEOUT = 600.0  # s: loading the checkpoints in the engine process
 STOP_TIMEOUT = 10.0  # s: for the engine process to exit once told to
@@ -112,7 +111,11 @@ class EngineClient(abc.ABC):
 class MPClient(EngineClient):
     """The engine core in a process of its own, over ZeroMQ (``engine.process``)."""
 
-    def __init__(self, config: EngineConfig, observer: Observer | None = None):
+    def __init__(self, config: EngineConfig, observer: Observer | None = None,
+                 launched: Launched | None = None):
+        """``launched``: an engine process already started for ``config``
+        (``engine.launch.launch``, as ``nodraft serve`` does first thing); else ``start``
+        starts one."""
         super().__init__(config, observer)
         self.running = self.waiting = 0
         self.compiled, self.compiled_error = "warming" if config.compile else "off", None
@@ -120,24 +123,19 @@ class MPClient(EngineClient):
         self._requests: dict[int, Callable[[Event], None]] = {}
         self._idle = asyncio.Event()
         self._stopping = False
+        self._launched = launched
         self.process: multiprocessing.process.BaseProcess | None = None
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._dir = tempfile.mkdtemp(prefix="nodraft-engine-")
-        inbox, outbox = f"ipc://{self._dir}/in", f"ipc://{self._dir}/out"
-        self._sync = zmq.Context()
-        self._input = self._sync.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.bind(inbox)
+        launched, self._launched = self._launched or launch(self.config), None
+        launched.adopted = True
+        self.process, self._dir = launched.process, launched.directory
+        self._sync, self._input = launched.context, launched.input
         self._async = zmq.asyncio.Context()
         self._output = self._async.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        self._output.bind(outbox)
-        spawn = multiprocessing.get_context("spawn")
-        self.process = spawn.Process(target=run_engine_process, name="nodraft-engine",
-                                     args=(self.config, inbox, outbox, os.getpid()))
-        self.process.start()
+        self._output.bind(launched.output_address)
         self.pid = self.process.pid
         exited = asyncio.Event()
         self.loop.add_reader(self.process.sentinel, exited.set)

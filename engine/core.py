@@ -59,6 +59,7 @@ log = logging.getLogger("nodraft.engine")
 PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being prefilled
 IDLE_POLL_S = 0.1  # an idle engine thread looks for idle work this often
 WARM_UP_SWITCH_INTERVAL = 2e-4  # s: the GIL's switch interval while compiling (default 5 ms)
+GAP_WAIT_S = 1.0  # s: the longest a graph load waits for a gap between requests
 
 
 class QueueFull(RuntimeError):
@@ -141,6 +142,9 @@ class Engine:
         self.compiled_ready = False  # warm_up finished
         self.compiled_error: str | None = None  # warm_up failed: eager passes only
         self._warming = False  # warm_up's thread is compiling
+        # the pass-cost tables wait for the compiled passes (a warm start loads them in
+        # seconds: an eager table measured meanwhile would only slow the load down)
+        self.costs_after_load = False
         self._cost_failed: set[tuple[str, int]] = set()  # (model, compiled state)
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
@@ -219,7 +223,18 @@ class Engine:
         c = self.caches[name]
         return KVCache(self.models[name].config, c.n_slots, c.max_len, c.k.dtype)
 
+    def between_requests(self, longest: float = GAP_WAIT_S) -> None:
+        """Wait until no sequence runs or waits, for up to ``longest`` s: background work
+        that holds the GIL a while (loading a saved graph) goes between requests, and under
+        unbroken load still goes on, one piece per ``longest``."""
+        end = time.monotonic() + longest
+        while self.busy and not self._stop and time.monotonic() < end:
+            time.sleep(0.005)
+
     def _load_all(self, load: Callable[[], None]) -> None:
+        for model in self.models.values():
+            if model.compiled is not None:
+                model.compiled.between_loads = self.between_requests
         try:
             load()
         except Exception as e:  # the build failed: eager passes, and /health says why
@@ -230,7 +245,9 @@ class Engine:
         for name, model in self.models.items():
             if model.compiled is None or self._stop or not self._accepting:
                 continue
+            self.between_requests()
             model.compiled.warm_up(self._scratch(name), 0, compile=False)
+            self.between_requests()
             self._warm_up_drafters(name, model, compile=False)
 
     def _warm_up_drafters(self, name: str, model: Micro, compile: bool = True) -> None:
@@ -331,7 +348,10 @@ class Engine:
         not measured yet, or not for its compiled graphs now that the warm-up is done."""
         return bool(self._stale_costs())
 
-    def _stale_costs(self) -> list[str]:
+    def _stale_costs(self, defer: bool = True) -> list[str]:
+        if (defer and self.costs_after_load and not self.compiled_ready
+                and self.compiled_error is None):
+            return []
         return [name for name, m in self.models.items()
                 if (name, costs.compiled_state(m)) not in self._cost_failed
                 and (costs.latest(m) is None or (not self._warming and costs.current(m) is None))]
@@ -365,7 +385,8 @@ class Engine:
         """The latest table for this model; measured now (in ``slot``, which is about to
         be prefilled) if there is none -- an engine that never idled."""
         got = costs.latest(self.models[name])
-        if got is None and self.caches[name].max_len > costs.ROWS[-1] and name in self._stale_costs():
+        if (got is None and self.caches[name].max_len > costs.ROWS[-1]
+                and name in self._stale_costs(defer=False)):
             got = self._measure_costs(name, slot)
         return got
 

@@ -6,9 +6,10 @@
       MPClient._receive <----Outputs---------  PUSH  that iteration's events, in one message
 
 The API process binds two ZeroMQ ``ipc://`` sockets and starts this process with
-multiprocessing's ``spawn`` (a fresh interpreter: no OpenMP or torch state is inherited);
-the engine connects, loads the checkpoints, starts compiling in a background thread when
-asked, and sends an empty ``Outputs`` to say it is serving. Then one thread alternates
+multiprocessing's ``spawn`` (``engine.launch``: a fresh interpreter, no OpenMP or torch
+state inherited); the engine connects, loads the checkpoints and imports every drafter's
+module, starts loading its compiled graphs in a background thread when asked, and sends an
+empty ``Outputs`` to say it is serving. Then one thread alternates
 between reading requests (without blocking while sequences run) and running engine
 iterations: the engine's Python and its kernels never share a GIL or a core with the event
 loop that streams responses.
@@ -21,12 +22,9 @@ check of its parent's pid between iterations everywhere): no engine outlives its
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,27 +33,11 @@ import zmq
 from drafters.registry import Registry
 from engine import messages
 from engine.core import Engine, Event, GenerationRequest, Handle
+from engine.launch import EngineConfig
 
 log = logging.getLogger("nodraft.engine")
 
 IDLE_POLL_MS = 100  # an idle engine looks at its parent and its compile status this often
-PR_SET_PDEATHSIG = 1
-
-
-@dataclass
-class EngineConfig:
-    """Everything the engine needs, as plain data (it crosses into the engine process)."""
-
-    checkpoints: str
-    drafters: dict[str, str] = field(default_factory=dict)  # Registry.targets(); {}: built-ins
-    max_running: int = 32
-    max_waiting: int = 64
-    threads: int | None = None  # torch threads; None: torch's default
-    compile: bool = True  # compiled single-sequence passes, built in the background
-    gemm: str = "auto"
-    cores: list[int] | None = None  # CPU affinity of the engine process; None: unchanged
-    log_level: str = "info"
-    compile_cache: str | None = None  # engine.artifacts' folder; None: its default
 
 
 def build_engine(config: EngineConfig) -> Engine:
@@ -72,6 +54,7 @@ def build_engine(config: EngineConfig) -> Engine:
     tokenizer = load_tokenizer(tokenizer_json if tokenizer_json.exists() else None)
     models = {name: load_model(name, directory) for name in names}
     registry = Registry(builtin=config.drafters, plugins=False) if config.drafters else Registry()
+    registry.describe()  # every drafter's module now, so that no request imports one
     engine = Engine(models, registry, tokenizer.eot_id, config.max_running,
                     config.max_waiting, threads=config.threads)
     engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
@@ -99,12 +82,15 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
     from engine import artifacts
 
     artifacts.use_inductor_cache(artifacts.cache_home(config.compile_cache))
+    store = artifacts.Store(config, config.compile_cache)
+    # what loading a graph imports, now, before serving: on the warm-up thread it would
+    # hold the GIL for seconds while requests are served
+    artifacts.import_runtime()
+    if store.complete():
+        log.info("nodraft: loading the compiled passes built for this machine: %s", store.path)
+        engine.costs_after_load = True
 
     def load() -> None:
-        store = artifacts.Store(config, config.compile_cache)
-        if store.complete():
-            log.info("nodraft: loading the compiled passes built for this machine: %s",
-                     store.path)
         folder = store.ensure()
         log.info("nodraft: %d compiled graphs loaded", artifacts.load(engine, folder))
 
@@ -123,13 +109,9 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
 # -- the engine process ------------------------------------------------------------------------
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
                        parent_pid: int) -> None:
-    """The engine process's main function (multiprocessing's target)."""
-    die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """The engine process's main function, after ``engine.launch.engine_main``'s first steps
+    (the death signal, the signals ignored, the cores)."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s: %(message)s")
-    if config.cores:
-        os.sched_setaffinity(0, config.cores)
     if config.threads:
         torch.set_num_threads(config.threads)
     engine = build_engine(config)
@@ -138,6 +120,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: the API may bind its end after we connect
     outbox.connect(output_address)
     start_warm_up(engine, config)
     try:
@@ -190,6 +173,7 @@ class EngineCore:
             if engine.busy:
                 engine.run_once()
             elif engine.idle_work():
+                self._send()  # a status that changed (compiled passes ready) goes first
                 engine.idle()
             self._send()
             if not busy and os.getppid() != self.parent_pid:
@@ -233,16 +217,3 @@ class EngineCore:
         self.status, self.load = status, load
         self.outbox.send(messages.encode(messages.Outputs(
             events, load[0], load[1], status[0], status[1])))
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(0)
-

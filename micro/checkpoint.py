@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from micro import CHECKPOINT_DIR  # re-exported: where the committed artefacts live
 from micro.model import Micro, MicroConfig
 from micro.tokenizer import Tokenizer
 
-CHECKPOINT_DIR = Path(__file__).parent / "checkpoints"
 MODEL_NAMES = ("micro", "micro-layerskip")
 
 

@@ -52,6 +52,7 @@ import math
 import time
 import types
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,12 +61,19 @@ from torch import Tensor
 from micro import gemm
 from micro.model import additive_mask, apply_rope
 
-import torch._dynamo.config as _dynamo_config
 
-# Graphs per code object: early exit's layer ranges and the cache shapes of several engines
-# share one; the default limit of 8 would silently fall back to eager.
-_dynamo_config.cache_size_limit = max(_dynamo_config.cache_size_limit, 64)
-_dynamo_config.accumulated_cache_size_limit = max(_dynamo_config.accumulated_cache_size_limit, 512)
+
+def configure_dynamo() -> None:
+    """Dynamo's settings for these graphs, once something compiles or loads them (not at
+    import: an eager process -- ``--compile false``, the drafters that import this module
+    for its constants -- never imports dynamo). Graphs per code object: early exit's layer
+    ranges and the cache shapes of several engines share one; the default limit of 8 would
+    silently fall back to eager."""
+    import torch._dynamo.config as config
+
+    config.cache_size_limit = max(config.cache_size_limit, 64)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 512)
+
 
 # size_asserts off: inductor checks the size and strides of every extern kernel's output
 # (the products and the bmms: up to 25 calls a pass) with a Python-level call after it. A debugging
@@ -96,7 +104,11 @@ class CompiledPasses:
     """
 
     def __init__(self, model, lazy: bool = True, gemm: str | None = None):
+        configure_dynamo()
         self.model = model
+        # called before each saved graph is loaded, here and by the drafters' graphs that
+        # load beside these (an engine's: wait for a gap between requests); None: at once
+        self.between_loads: Callable[[], None] | None = None
         self.lazy = lazy
         self.gemm = gemm  # micro.gemm.choose's argument; resolved at the first graph
         self.gemm_kind: str | None = None  # 'nodraft' or 'torch', once resolved
@@ -123,7 +135,8 @@ class CompiledPasses:
         """Load the families saved in ``folder`` (``export_to`` of an artifact build for
         this model, cache shape and product): they run at once, none compiles. Returns how
         many were loaded."""
-        families = self.precompiled.load(folder, lambda f: self._core(f[0], f[1], f[2]))
+        families = self.precompiled.load(folder, lambda f: self._core(f[0], f[1], f[2]),
+                                         self.between_loads)
         self._ready.update(families)
         self.artifacts = Path(folder)
         return len(families)
@@ -249,6 +262,7 @@ class Precompiled:
     maps a file's stem to its family tuple."""
 
     def __init__(self, what: str = "pass"):
+        configure_dynamo()
         self.what = what  # for the log: what a graph computes
         self.export_to: Path | None = None
         self.fns: dict[tuple, object] = {}
@@ -293,11 +307,15 @@ class Precompiled:
         self.fns[family] = aot
         return aot
 
-    def load(self, folder: Path, make_fn) -> list[tuple]:
+    def load(self, folder: Path, make_fn, before_each: Callable[[], None] | None = None
+             ) -> list[tuple]:
         """Load every family saved in ``folder``; ``make_fn(family)`` rebuilds its function
-        (for its closure's tensors). Returns the families loaded."""
+        (for its closure's tensors); ``before_each()`` is called before each file. Returns
+        the families loaded."""
         loaded = []
         for meta in sorted(Path(folder).glob("*.json")):
+            if before_each is not None:
+                before_each()
             family = _from_json(json.loads(meta.read_text()))
             # under inference mode, as the graphs run and were compiled: a tensor guard's
             # dispatch keys are taken relative to the mode it is built in

@@ -69,7 +69,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from drafters.registry import Registry, SpeculationError
 from engine.client import EngineClient, EventPump, InprocClient, MPClient
 from engine.core import EngineStopped, QueueFull
-from engine.process import EngineConfig
+from engine.launch import Launched
 from micro.checkpoint import available_models, load_config, load_tokenizer
 from micro.model import MicroConfig
 from server.admission import Admission, Observers
@@ -100,8 +100,10 @@ class Service:
     meanwhile, and one worker keeps the tokenizer to one thread (its special-token switch
     is per tokenizer) and this process to the one core it is pinned to."""
 
-    def __init__(self, settings: Settings, registry: Registry | None = None):
+    def __init__(self, settings: Settings, registry: Registry | None = None,
+                 launched: Launched | None = None):
         self.settings = settings
+        self.launched = launched  # an engine process started before this process's imports
         self.registry = registry or Registry()
         self.metrics = Metrics()
         self.admission = Admission(settings.max_running + settings.max_waiting)
@@ -117,10 +119,19 @@ class Service:
         self.on_fatal: Callable[[], None] | None = None  # the engine died: exit non-zero
         self.loop: asyncio.AbstractEventLoop | None = None
         # decided before ``serve`` pins this process, which would change the answer
-        self.engine_threads = settings.engine_threads
-        self.engine_cores, self.api_cores = settings.cores()
+        self.api_cores = settings.cores()[1]
+        self.engine_config = (launched.config if launched is not None
+                              else settings.engine_config(self.registry.targets()))
 
     async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            if self.launched is not None and self.client is None:  # nobody took it over
+                self.launched.close()
+            raise
+
+    async def _start(self) -> None:
         self.loop = asyncio.get_running_loop()
         directory = self.checkpoint_dir = Path(self.settings.checkpoints)
         names = available_models(directory)
@@ -140,14 +151,12 @@ class Service:
         self.registry.parse(self.settings.speculation)  # a bad default fails at start-up
         # every drafter's module now, while the engine starts, not at a first request
         imports = asyncio.ensure_future(asyncio.to_thread(self.registry.describe))
-        config = EngineConfig(str(directory), self.registry.targets(),
-                              self.settings.max_running, self.settings.max_waiting,
-                              self.engine_threads, self.settings.compile,
-                              self.settings.gemm, self.engine_cores, self.settings.log_level,
-                              str(self.settings.compile_cache) if self.settings.compile_cache
-                              else None)
-        kind = MPClient if self.settings.engine_process else InprocClient
-        self.client = kind(config, Observers(self.metrics, self.admission))
+        observers = Observers(self.metrics, self.admission)
+        if self.launched is not None:  # started first thing by ``main``, before our imports
+            self.client = MPClient(self.engine_config, observers, self.launched)
+        else:
+            kind = MPClient if self.settings.engine_process else InprocClient
+            self.client = kind(self.engine_config, observers)
         self.client.on_death = self._engine_died
         try:
             await self.client.start()
@@ -311,9 +320,10 @@ class RequestCounter:
                                        499 if state.get("client_gone") else status)
 
 
-def create_app(settings: Settings | None = None, registry: Registry | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, registry: Registry | None = None,
+               launched: Launched | None = None) -> FastAPI:
     settings = settings or Settings()
-    service = Service(settings, registry)
+    service = Service(settings, registry, launched)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -462,8 +472,11 @@ def uvicorn_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicor
     return uvicorn.Config(app, **options)
 
 
-def serve(settings: Settings, registry: Registry | None = None) -> None:
-    app = create_app(settings, registry)
+def serve(settings: Settings, registry: Registry | None = None,
+          launched: Launched | None = None) -> None:
+    """Serve until stopped. ``launched``: the engine process, already started for
+    ``settings.engine_config()`` (``server.main``)."""
+    app = create_app(settings, registry, launched)
     config = uvicorn_config(app, settings)
     service = app.state.service
     if service.api_cores:  # the engine process has cores of its own; the event loop keeps this
@@ -477,12 +490,9 @@ def serve(settings: Settings, registry: Registry | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    try:
-        settings = Settings.from_argv(argv)
-    except ValidationError as e:
-        sys.exit(f"nodraft serve: {e}")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(levelname)s: %(message)s")
-    serve(settings)
+    from server.main import main as serve_main
+
+    serve_main(argv)
 
 
 if __name__ == "__main__":

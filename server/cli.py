@@ -18,7 +18,7 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "serve": ("server.app", "main", "run the OpenAI-compatible server"),
+    "serve": ("server.main", "main", "run the OpenAI-compatible server"),
     "eval": ("drafters.evaluation", "main", "held-out loss of every checkpoint and variant, and of trained drafters"),
     "compile": ("engine.artifacts", "main", "build the compiled passes for this machine ahead of time"),
     "workshop": ("clients.workshop", "main", "the course's table, measured"),

@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from micro.checkpoint import CHECKPOINT_DIR
+from engine.launch import EngineConfig
+from micro import CHECKPOINT_DIR
 
 
 class Settings(BaseSettings):
@@ -95,6 +96,15 @@ class Settings(BaseSettings):
         are small, a second engine thread gains a pass little (docs/BENCHMARKS.md), and
         the API process keeps a core for the event loop that streams responses."""
         return self.threads or max(1, len(_usable_cores()) - 1)
+
+    def engine_config(self, drafters: dict[str, str] | None = None) -> EngineConfig:
+        """The engine's settings (plain data, for the engine process). ``drafters``: the
+        API registry's ``targets()``; None: the built-ins and installed plugins, which a
+        default ``Registry()`` holds on both sides."""
+        return EngineConfig(str(self.checkpoints), dict(drafters or {}), self.max_running,
+                            self.max_waiting, self.engine_threads, self.compile, self.gemm,
+                            self.cores()[0], self.log_level,
+                            str(self.compile_cache) if self.compile_cache else None)
 
     def cores(self) -> tuple[list[int] | None, list[int] | None]:
         """CPU affinity (engine process, API process). With two or more usable cores and

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import artifacts
-from engine.process import EngineConfig
+from engine.launch import EngineConfig
 from micro.model import KVCache, MicroConfig
 from tests.conftest import tiny_model
 

@@ -259,8 +259,11 @@ def compiled_env(env) -> DrafterEnv:
     return DrafterEnv("tiny", copy.deepcopy(MODEL).compile(), {}, checkpoint_dir=env.checkpoint_dir)
 
 
-@pytest.mark.parametrize("params", [Eagle.Params(), Eagle.Params(depth=6, top_k=1, total_tokens=7),
-                                    Eagle.Params(depth=4, top_k=2, total_tokens=6)])
+# the default chain, and a tree (each shape compiles graphs of its own: seconds to a minute)
+TREE = Eagle.Params(depth=4, top_k=2, total_tokens=6)
+
+
+@pytest.mark.parametrize("params", [Eagle.Params(), TREE], ids=["chain", "tree"])
 def test_the_compiled_draft_step_is_the_eager_one(env, compiled_env, params):
     """Step after step -- catch-ups of one row and of several, trees and chains -- the
     compiled draft step proposes the eager drafter's tree, and keeps the same draft cache."""
@@ -288,7 +291,7 @@ def test_the_compiled_draft_step_is_the_eager_one(env, compiled_env, params):
 
 
 def test_the_compiled_draft_keeps_its_first_nodes_near_the_end(env, compiled_env):
-    params = Eagle.Params(depth=4, top_k=2, total_tokens=8)
+    params = TREE  # its graphs, compiled above
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     drafts = []
     for budget in (64, 3, 1):

@@ -124,6 +124,54 @@ def test_an_idle_engine_measures_its_pass_costs_before_any_request():
         engine.stop()
 
 
+def test_tables_wait_for_the_compiled_passes_being_loaded():
+    """While a warm start loads its saved graphs (``costs_after_load``), an idle engine
+    measures nothing -- an eager table would be thrown away in seconds and would slow the
+    load -- then measures once they are ready; a request meanwhile still gets a table."""
+    from drafters import costs
+    model = tiny_model(dtype=torch.float32)
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
+    engine.costs_after_load = True
+    assert not engine.idle_work()
+    engine.compiled_ready = True
+    assert engine.idle_work()
+    engine.compiled_ready, engine.compiled_error = False, "tiny: the build failed"
+    assert engine.idle_work()  # a failed load measures the eager passes at once
+    engine.compiled_error = None
+    engine.start()
+    try:
+        events = run_all(engine, [GenerationRequest("tiny", [1, 2, 3] * 10, 4)])[0]
+        assert costs.latest(model) is not None and events[-1].stats.plain_seconds > 0
+    finally:
+        engine.stop()
+
+
+def test_work_between_requests_waits_for_a_gap():
+    """``between_requests`` returns once nothing runs (a graph load then holds the GIL
+    between requests, not during one), or after ``longest`` under unbroken load."""
+    engine = float64_engine(max_running=2)
+    engine.start()
+    try:
+        finished, returned = threading.Event(), []
+
+        def cb(ev):
+            if ev.kind in ("finish", "error"):
+                finished.set()
+
+        engine.submit(GenerationRequest("micro", [5, 6, 7, 8], 120), cb)
+        deadline = time.monotonic() + 10
+        while not engine.busy and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.busy
+        engine.between_requests(longest=0.0)  # under load: at once
+        returned.append(finished.is_set())
+        engine.between_requests(longest=60)
+        returned.append(finished.is_set())
+        assert returned == [False, True] and not engine.busy
+    finally:
+        engine.stop()
+
+
 def test_stops_at_end_of_text_without_emitting_it():
     want, _, _ = generate(MODEL, [9, 8, 7], 30)
     stop = want[5]

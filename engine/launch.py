@@ -1,0 +1,131 @@
+"""Starting the engine process: its settings, its sockets, its first steps -- without torch.
+
+    launched = launch(config)          # sockets bound, the process spawned, nothing awaited
+    client = MPClient(config, observer, launched=launched)
+    await client.start()               # waits for the engine to say it is serving
+
+Nothing here imports torch, so ``nodraft serve`` starts the engine process first thing, and
+the engine's interpreter imports torch, loads the checkpoints and its compiled graphs while
+the API process is still importing its own modules: the two starts overlap, on cores of
+their own. The process's first steps (``engine_main``) are cheap and come before any
+import: it asks to die with its parent, ignores SIGINT and SIGTERM (the API process stops
+it), and moves to its cores -- it was spawned with the API process's affinity -- and only
+then imports the engine (``engine.process.run_engine_process``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import zmq
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, as plain data (it crosses into the engine process)."""
+
+    checkpoints: str
+    # Registry.targets() of the API's registry; {}: the built-ins and installed plugins
+    drafters: dict[str, str] = field(default_factory=dict)
+    max_running: int = 32
+    max_waiting: int = 64
+    threads: int | None = None  # torch threads; None: torch's default
+    compile: bool = True  # compiled single-sequence passes, built in the background
+    gemm: str = "auto"
+    cores: list[int] | None = None  # CPU affinity of the engine process; None: unchanged
+    log_level: str = "info"
+    compile_cache: str | None = None  # engine.artifacts' folder; None: its default
+
+
+@dataclass
+class Launched:
+    """An engine process spawned and the API's ends of its sockets: ``input`` (PUSH, bound
+    here) and ``output_address`` (the PULL end, bound by ``MPClient.start``; the engine's
+    PUSH connects before it exists and ZeroMQ delivers once it does)."""
+
+    config: EngineConfig
+    process: multiprocessing.process.BaseProcess
+    directory: str  # the sockets' folder, removed when the client closes
+    context: zmq.Context
+    input: zmq.Socket
+    output_address: str
+    adopted: bool = False  # an MPClient took it over, and closes it
+
+    def close(self) -> None:
+        """Stop the process and free its sockets, unless a client took them over (the API
+        failed to start, or was stopped before it could)."""
+        if self.adopted:
+            return
+        self.adopted = True  # once
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+        self.input.close(linger=0)
+        self.context.term()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def launch(config: EngineConfig) -> Launched:
+    """Bind the request socket and spawn the engine process (multiprocessing's ``spawn``:
+    a fresh interpreter, no OpenMP or torch state inherited). Returns at once."""
+    directory = tempfile.mkdtemp(prefix="nodraft-engine-")
+    inbox, outbox = f"ipc://{directory}/in", f"ipc://{directory}/out"
+    context = zmq.Context()
+    requests = context.socket(zmq.PUSH)
+    process = multiprocessing.get_context("spawn").Process(
+        target=engine_main, name="nodraft-engine", args=(config, inbox, outbox, os.getpid()))
+    try:
+        requests.setsockopt(zmq.LINGER, 0)
+        requests.bind(inbox)
+        process.start()
+    except BaseException:  # a failed bind or spawn, a signal meanwhile: leave nothing
+        if process.pid is not None:
+            process.kill()
+            process.join(10)
+        requests.close(linger=0)
+        context.term()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return Launched(config, process, directory, context, requests, outbox)
+
+
+def engine_main(config: EngineConfig, input_address: str, output_address: str,
+                parent_pid: int) -> None:
+    """The engine process's entry (multiprocessing's target): its cheap first steps, then
+    the engine."""
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # spawned while the API blocked them (server.main): what this process starts (the
+    # artifact build) must be stoppable
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    if config.cores:
+        os.sched_setaffinity(0, config.cores)
+    if config.compile:  # before torch's imports, which settle inductor's cache folder
+        from engine.artifacts import cache_home, use_inductor_cache
+
+        use_inductor_cache(cache_home(config.compile_cache))
+    from engine.process import run_engine_process
+
+    run_engine_process(config, input_address, output_address, parent_pid)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; exit now if it already has."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(0)

@@ -1,0 +1,137 @@
+"""``nodraft serve`` starts its engine process first thing (``server.main``,
+``engine.launch``): before this process imports torch or the application, so that the two
+starts overlap; the application takes that engine over, and frees it when it cannot start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+from server_testing import alive, free_port, wait_healthy
+from test_server_shutdown import engine_pid
+
+ROOT = Path(__file__).parents[2]
+
+
+def test_the_engine_is_launched_before_torch_is_imported():
+    script = textwrap.dedent("""
+        import sys
+        import engine.launch
+
+        def launch(config):
+            heavy = [m for m in ("torch", "fastapi", "server.app") if m in sys.modules]
+            print("imported before the launch:", heavy, "compile:", config.compile)
+            sys.exit(0)
+
+        engine.launch.launch = launch
+        from server.main import main
+        main(["--compile", "false"])
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "imported before the launch: [] compile: False" in out.stdout
+
+
+def test_an_eager_engine_never_imports_dynamo(serve_checkpoints):
+    """Dynamo's import (seconds) is paid by compiled passes only: not by an engine with
+    ``--compile false``, nor by the drafters that share the compiled passes' constants."""
+    script = textwrap.dedent(f"""
+        import sys
+        from engine.process import build_engine
+        from engine.launch import EngineConfig
+        engine = build_engine(EngineConfig({str(serve_checkpoints)!r}, compile=False))
+        assert "drafters.eagle" in sys.modules  # every drafter's module, before serving
+        print("dynamo imported:", "torch._dynamo" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "dynamo imported: False" in out.stdout
+
+
+def _serve(checkpoints: Path, port: int, tmp: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmp)}  # the engine's socket folder goes there
+    return subprocess.Popen(
+        [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--checkpoints",
+         str(checkpoints), "--compile", "false", "--threads", "1", "--log-level", "warning",
+         *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+
+def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, tmp_path):
+    port = free_port()
+    proc = _serve(serve_checkpoints, port, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    engine = None
+    try:
+        wait_healthy(url, 120, lambda: proc.poll() is None)
+        engine = engine_pid(proc.pid)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "micro", "prompt": "def add(a, b):\n", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert list(tmp_path.glob("nodraft-engine-*"))  # its sockets
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not alive(engine)
+        assert not list(tmp_path.glob("nodraft-engine-*"))  # freed with it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        if engine is not None and alive(engine):
+            os.kill(engine, signal.SIGKILL)
+
+
+def test_a_server_that_cannot_start_frees_the_engine_it_launched(serve_checkpoints, tmp_path):
+    """A bad default drafter is found by the application after the engine was launched:
+    the server exits 3 (uvicorn's start failure) with the reason, and leaves no engine
+    process and no socket folder behind."""
+    proc = _serve(serve_checkpoints, free_port(), tmp_path, "--speculation", "no-such-drafter")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out
+    assert "no-such-drafter" in out
+    assert not list(tmp_path.glob("nodraft-engine-*")), out
+    assert not started_with(f"TMPDIR={tmp_path}"), out  # no engine process left
+
+
+def started_with(variable: str) -> list[int]:
+    """The processes whose environment holds ``variable`` (NAME=value)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and variable.encode() in (d / "environ").read_bytes().split(b"\0"):
+                found.append(int(d.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
+
+
+def test_a_server_stopped_during_its_start_leaves_nothing_behind(serve_checkpoints, tmp_path):
+    """SIGTERM while the API process still imports (the engine already launched): both
+    exit, the socket folder goes with them, and the next start serves."""
+    proc = _serve(serve_checkpoints, free_port(), tmp_path)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("nodraft-engine-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the engine is launched
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0, out  # stopped, not served
+    deadline = time.monotonic() + 15  # the engine dies with its parent (or was stopped)
+    while started_with(f"TMPDIR={tmp_path}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not started_with(f"TMPDIR={tmp_path}")
+    assert not list(tmp_path.glob("nodraft-engine-*")), out
+    port = free_port()
+    again = _serve(serve_checkpoints, port, tmp_path)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", 120, lambda: again.poll() is None)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=60) == 0
