@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Callable
 
 import torch
 
@@ -62,17 +63,21 @@ def latest(model) -> PassCost | None:
     return None if got is None else got[1]
 
 
-def measure(model, cache, slot: int, start: int) -> PassCost:
+def measure(model, cache, slot: int, start: int,
+            stop: Callable[[], bool] | None = None) -> PassCost | None:
     """Time passes of every ``ROWS`` size in ``cache``'s ``slot`` at positions ``start``..
     (rows the caller treats as scratch: nothing is committed) and keep the table for the
     model's compiled state. The sizes alternate and each keeps its fastest time: on a
     shared machine the minimum is the pass's own cost, a median can be another process's.
-    Needs ``start + ROWS[-1] <= cache.max_len``."""
+    Needs ``start + ROWS[-1] <= cache.max_len``. ``stop()``, asked between rounds: give up
+    (None, nothing kept), a request has come."""
     times = {rows: float("inf") for rows in ROWS}
     with torch.inference_mode():
         for rows in times:  # warm-up
             model.verify_pass(torch.zeros(rows, dtype=torch.long), cache, slot, start)
         for _ in range(ROUNDS):
+            if stop is not None and stop():
+                return None
             for rows in times:
                 x = torch.zeros(rows, dtype=torch.long)
                 t0 = time.perf_counter()

@@ -816,6 +816,8 @@ class CompiledDraft:
             aot = self.precompiled.compile(
                 f"draft_{depth}_{top_k}_{keep}_{'rows' if T > 1 else 'row'}", shape,
                 self._core(depth, top_k, keep), DRAFT_OPTIONS, args)
+            if aot is None:  # another process of the build compiles this one
+                return None
         if aot is not None:
             got = self.precompiled(shape, args)
             if got is None:  # refused by its guards: eager from now on

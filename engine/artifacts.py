@@ -2,9 +2,11 @@
 
 ``nodraft compile`` (or the server, the first time it starts on a machine) builds every
 graph the engine's compiled passes use -- each model's single-sequence passes (one row and
-several, every early-exit range) and EAGLE's draft steps -- in a process of its own, and
-saves them with ``torch.compile``'s AOT precompilation (``micro.compiled.Precompiled``): a
-saved graph loads in a fraction of a second and runs without dynamo tracing it again. The
+several, every early-exit range) and EAGLE's draft steps -- in a process of its own (which
+starts one compiling process per core, at most 4, that share the families out by claiming
+them: ``--workers``), and saves them with ``torch.compile``'s AOT precompilation
+(``micro.compiled.Precompiled``): a saved graph loads in a fraction of a second and runs
+without dynamo tracing it again. The
 kernels inductor generated for them sit in inductor's cache beside them
 (``TORCHINDUCTOR_CACHE_DIR`` defaults to ``<cache>/inductor``).
 
@@ -15,7 +17,8 @@ Layout, under ``<cache>/compiled`` (``<cache>``: ``--compile-cache``, else
     <key>/<model>/*.pt2       one graph per file (and a .json naming its family)
     <key>/<model>/eagle-*/    EAGLE's draft steps for that model
     <key>.lock                held (flock) by the process building <key>
-    <key>.building-<pid>/     a build in progress; renamed to <key>/ when done
+    <key>.building-<pid>/     a build in progress (claims/: who compiles which family);
+                              renamed to <key>/ when done
     <key>.failed              why the last build failed
     <key>.log                 the log of a build the server started
 
@@ -169,9 +172,11 @@ class Store:
                 fcntl.flock(held, fcntl.LOCK_UN)
 
     # -- building (in a process of its own) --------------------------------------------------
-    def build(self) -> Path:
-        """Build every graph into this store (the caller's process compiles); a complete
-        store is left as it is. Returns the store's folder."""
+    def build(self, workers: int | None = None) -> Path:
+        """Build every graph into this store; a complete store is left as it is. Returns
+        the store's folder. ``workers``: processes that compile side by side, each family
+        by whichever claims it first (``build_workers()`` by default; 1: this process
+        compiles)."""
         with self.locked():
             if self.complete():
                 log.info("nodraft: the compiled passes are already built: %s", self.path)
@@ -181,7 +186,8 @@ class Store:
             tmp = self.root / f"{self.key}.building-{os.getpid()}"
             t0 = time.perf_counter()
             try:
-                graphs = self._compile_into(tmp)
+                n = build_workers() if workers is None else max(1, workers)
+                graphs = self._compile_into(tmp) if n == 1 else self._compile_by(n, tmp)
             except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if not isinstance(e, KeyboardInterrupt):
@@ -213,12 +219,16 @@ class Store:
                         stale, "; building again" if key == self.key else "")
             shutil.rmtree(stale, ignore_errors=True)
 
-    def _compile_into(self, folder: Path) -> int:
+    def _compile_into(self, folder: Path, claim=None) -> int:
+        """Compile every family into ``folder`` in this process; with ``claim(stem)``, only
+        the families it grants (a worker of ``_compile_by``)."""
         import torch
 
         from engine.process import build_engine
+        from micro.compiled import Precompiled
 
         torch.set_num_threads(1)  # the graphs are generated for one thread (Engine.warm_up)
+        Precompiled.claim = claim
         engine = build_engine(dataclasses.replace(self.config, compile=True))
         for name, model in engine.models.items():
             model.compiled.export_to = folder / name
@@ -226,6 +236,34 @@ class Store:
         engine._compile_all()
         if engine.compiled_error is not None:
             raise RuntimeError(engine.compiled_error)
+        return sum(1 for _ in folder.rglob("*.pt2"))
+
+    def _compile_by(self, workers: int, folder: Path) -> int:
+        """Compile with ``workers`` processes side by side (``--worker-of``). Each walks
+        every family in the same order and compiles those it claims first -- a file made
+        with ``O_EXCL`` in ``folder``, one per family name, which covers that family for
+        every checkpoint (their graphs' code is the same, so the second one's compile
+        finds the first's kernels in inductor's cache). Raises if any worker fails."""
+        argv = [sys.executable, "-m", "engine.artifacts", "build", "--checkpoints",
+                str(self.config.checkpoints), "--max-running", str(self.config.max_running),
+                "--gemm", self.config.gemm, "--compile-cache", str(self.home),
+                "--worker-of", str(folder), "--parent-pid", str(os.getpid())]
+        # inductor's own pool of C++ compilers would only contend with the other workers
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        log.info("nodraft: %d processes compile side by side", workers)
+        procs = [subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+                 for _ in range(workers)]
+        try:
+            codes = [p.wait() for p in procs]
+        finally:
+            for p in procs:  # stopped (a signal, an exception): take them along
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise RuntimeError(f"a compiling process failed (exit statuses {codes}); the log "
+                               "above says why")
+        shutil.rmtree(folder / "claims")
         return sum(1 for _ in folder.rglob("*.pt2"))
 
     # -- the server's side -------------------------------------------------------------------
@@ -250,6 +288,38 @@ class Store:
             why = self.failure() or _last_line(self.log_path) or f"exit status {rc}"
             raise RuntimeError(f"building the compiled passes failed ({why}); log: {self.log_path}")
         return self.path
+
+
+def build_workers() -> int:
+    """How many processes compile side by side by default: ``NODRAFT_BUILD_WORKERS``, else
+    one per usable core, at most 4 (each holds a compiler's memory, about a GB)."""
+    if os.environ.get("NODRAFT_BUILD_WORKERS"):
+        return max(1, int(os.environ["NODRAFT_BUILD_WORKERS"]))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 4))
+
+
+def claimer(folder: Path):
+    """A worker's ``claim(stem)``: True for the families it is first to claim in
+    ``folder`` (and again for those it claimed), False for another worker's."""
+    claims = folder / "claims"
+    claims.mkdir(parents=True, exist_ok=True)
+    mine: set[str] = set()
+
+    def claim(stem: str) -> bool:
+        if stem in mine:
+            return True
+        try:
+            os.close(os.open(claims / stem, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        mine.add(stem)
+        return True
+
+    return claim
 
 
 def _as_a_background_build(parent_pid: int) -> None:
@@ -301,21 +371,29 @@ def main(argv: list[str] | None = None) -> None:
                    "$NODRAFT_COMPILE_CACHE, else $XDG_CACHE_HOME/nodraft, else ~/.cache/nodraft)")
     p.add_argument("--print-path", action="store_true",
                    help="only print the folder this configuration's artifacts go to")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes compiling side by side (default: $NODRAFT_BUILD_WORKERS, "
+                   "else one per core, at most 4)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.parent_pid is not None:  # started by a server's engine
+    if args.parent_pid is not None:  # started by a server's engine, or by a build
         _as_a_background_build(args.parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     home = cache_home(args.compile_cache)
     use_inductor_cache(home)
     store = Store(EngineConfig(args.checkpoints, max_running=args.max_running, gemm=args.gemm),
                   home)
+    if args.worker_of is not None:  # one of a build's compiling processes
+        folder = Path(args.worker_of)
+        store._compile_into(folder, claimer(folder))
+        return
     if args.print_path:
         print(store.path)
         return
     print(f"nodraft compile: {store.path}", flush=True)
     try:
-        store.build()
+        store.build(args.workers)
     except Exception as e:
         print(f"nodraft compile: failed: {type(e).__name__}: {e}", file=sys.stderr)
         sys.exit(1)

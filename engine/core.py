@@ -245,10 +245,18 @@ class Engine:
         for name, model in self.models.items():
             if model.compiled is None or self._stop or not self._accepting:
                 continue
+            scratch = self._scratch(name)
             self.between_requests()
-            model.compiled.warm_up(self._scratch(name), 0, compile=False)
+            model.compiled.warm_up(scratch, 0, compile=False)
             self.between_requests()
             self._warm_up_drafters(name, model, compile=False)
+            # the pass-cost table of the loaded graphs, before they are said to be ready:
+            # else the first request after "ready" (auto's, or its figures) would time it
+            self.between_requests()
+            try:
+                costs.measure(model, scratch, 0, 0)
+            except Exception:  # the engine's idle measurement tries again, and logs it
+                log.debug("nodraft: %s's pass costs not measured after the load", name)
 
     def _warm_up_drafters(self, name: str, model: Micro, compile: bool = True) -> None:
         """Drafters with compiled graphs of their own (a ``warm_up(cache)`` method: EAGLE's
@@ -356,24 +364,32 @@ class Engine:
                 if (name, costs.compiled_state(m)) not in self._cost_failed
                 and (costs.latest(m) is None or (not self._warming and costs.current(m) is None))]
 
-    def idle(self) -> None:
+    def idle(self, pending: Callable[[], bool] | None = None) -> None:
         """Called with nothing running: measure the stale pass-cost tables (a few dozen
-        small passes each, in a free KV slot), so no request waits for them."""
+        small passes each, in a free KV slot), so no request waits for them. A request
+        that comes meanwhile goes first: the measurement stops between its rounds (and is
+        made again when idle) -- ``pending()`` says whether one is on its way that this
+        engine has not seen (the engine process's inbox)."""
+        def interrupted() -> bool:
+            return bool(self.running or self.waiting or (pending is not None and pending()))
+
         for name in self._stale_costs():
-            with self._cv:  # a request may have come in meanwhile: it goes first
-                if self.running or self.waiting or not self.free_slots[name]:
+            with self._cv:
+                if interrupted() or not self.free_slots[name]:
                     return
                 slot = min(self.free_slots[name])
-            self._measure_costs(name, slot)
+            self._measure_costs(name, slot, interrupted)
 
-    def _measure_costs(self, name: str, slot: int) -> costs.PassCost | None:
+    def _measure_costs(self, name: str, slot: int, stop: Callable[[], bool] | None = None
+                       ) -> costs.PassCost | None:
         """None if the passes failed (logged once per compiled state; the figures then go
-        without, and requests meet the same failure as their own error)."""
+        without, and requests meet the same failure as their own error), or ``stop()``
+        stopped them."""
         self._use_threads(1)  # as a lone sequence's step runs
         model, cache = self.models[name], self.caches[name]
         cache.reset(slot)
         try:
-            return costs.measure(model, cache, slot, 0)
+            return costs.measure(model, cache, slot, 0, stop)
         except Exception:
             log.exception("nodraft: the pass costs of %s could not be measured", name)
             self._cost_failed.add((name, costs.compiled_state(model)))

@@ -174,7 +174,7 @@ class EngineCore:
                 engine.run_once()
             elif engine.idle_work():
                 self._send()  # a status that changed (compiled passes ready) goes first
-                engine.idle()
+                engine.idle(pending=lambda: bool(self.poller.poll(0)))
             self._send()
             if not busy and os.getppid() != self.parent_pid:
                 return  # the API process is gone (where PDEATHSIG is not available)

@@ -209,6 +209,8 @@ class CompiledPasses:
             aot = self.precompiled.compile(
                 f"passes_{lo}_{hi}{'_head' if head else ''}_{'rows' if T > 1 else 'row'}",
                 family, self._core(lo, hi, head), OPTIONS, args)
+            if aot is None:  # another process of the build compiles this one
+                return None
         if aot is not None:
             got = self.precompiled(family, args)
             if got is None:  # refused by its guards: eager from now on
@@ -261,6 +263,10 @@ class Precompiled:
     reads every family saved in a folder. Families are named by their owner; ``families``
     maps a file's stem to its family tuple."""
 
+    # a build's worker (engine.artifacts): claim(stem) says whether this process compiles
+    # that family (else another does, and ``compile`` returns None); None: every family
+    claim: Callable[[str], bool] | None = None
+
     def __init__(self, what: str = "pass"):
         configure_dynamo()
         self.what = what  # for the log: what a graph computes
@@ -293,9 +299,12 @@ class Precompiled:
 
     def compile(self, stem: str, family: tuple, fn, options: dict, inputs: tuple):
         """Compile ``fn`` for ``inputs`` (dynamic dimensions marked) and, with
-        ``export_to``, save it as ``stem``; returns the compiled function."""
+        ``export_to``, save it as ``stem``; returns the compiled function, or None where
+        ``claim`` gives the family to another process."""
         # the family in the name too: two of one kind (another cache shape) never collide
         stem = f"{stem}-{hashlib.sha256(repr(family).encode()).hexdigest()[:8]}"
+        if Precompiled.claim is not None and not Precompiled.claim(stem):
+            return None
         t0 = time.perf_counter()
         aot = torch.compile(fn, fullgraph=True, options=options).aot_compile((inputs, {}))
         log.info("nodraft: compiled %s (%.1f s)", stem, time.perf_counter() - t0)

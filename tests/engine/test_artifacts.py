@@ -104,7 +104,7 @@ def test_a_stale_partial_build_is_removed_under_the_lock(tmp_path, caplog, monke
         return 1
     monkeypatch.setattr(store, "_compile_into", fake_compile)
     with caplog.at_level("INFO"):
-        assert store.build() == store.path
+        assert store.build(workers=1) == store.path
     assert "stopped before it finished" in caplog.text and not stale.exists()
     assert store.complete() and json.loads((store.path / "manifest.json").read_text())["graphs"] == 1
 
@@ -114,9 +114,28 @@ def test_a_stale_partial_build_is_removed_under_the_lock(tmp_path, caplog, monke
                             tmp_path / "cache")
     monkeypatch.setattr(other, "_compile_into", failing)
     with pytest.raises(RuntimeError):
-        other.build()
+        other.build(workers=1)
     assert other.failure() == "RuntimeError: no C++ compiler" and not other.complete()
     assert not list(other.root.glob(f"{other.key}.building-*"))
+
+
+def test_workers_share_the_families_by_claims(tmp_path):
+    """Each family is claimed by one worker of a build (the first to ask), which keeps it."""
+    one, two = artifacts.claimer(tmp_path), artifacts.claimer(tmp_path)
+    assert one("passes_0_4_head_row-1") and not two("passes_0_4_head_row-1")
+    assert two("draft_6_1_6_row-2") and not one("draft_6_1_6_row-2")
+    assert one("passes_0_4_head_row-1") and two("draft_6_1_6_row-2")  # their own, again
+    assert sorted(p.name for p in (tmp_path / "claims").iterdir()) == [
+        "draft_6_1_6_row-2", "passes_0_4_head_row-1"]
+
+
+def test_a_failed_worker_fails_the_build(tmp_path, monkeypatch):
+    (tmp_path / "micro.safetensors").write_bytes(b"not a checkpoint")
+    store = artifacts.Store(EngineConfig(str(tmp_path), gemm="torch"), tmp_path / "cache")
+    with pytest.raises(RuntimeError, match="a compiling process failed"):
+        store.build(workers=2)
+    assert "compiling process failed" in store.failure() and not store.complete()
+    assert not list(store.root.glob(f"{store.key}.building-*"))
 
 
 def test_a_failed_build_leaves_the_engine_serving_eager():

@@ -92,8 +92,7 @@ def test_compiled_passes_survive_a_killed_build_then_load_at_a_warm_start(
         # killed once the builder has saved a graph: in the middle of the build
         assert wait_for(lambda: any((cache / "compiled").glob("*.building-*/*/*.pt2")),
                         timeout=600), "no graph built within 600 s"
-        building = builders(cache)
-        assert len(building) == 1
+        assert builders(cache)  # the build, and the processes compiling side by side
     finally:
         first.kill()
         first.wait(timeout=30)
