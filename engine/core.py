@@ -145,6 +145,7 @@ class Engine:
         # the pass-cost tables wait for the compiled passes (a warm start loads them in
         # seconds: an eager table measured meanwhile would only slow the load down)
         self.costs_after_load = False
+        self._iterating: int | None = None  # the thread that runs the iterations
         self._cost_failed: set[tuple[str, int]] = set()  # (model, compiled state)
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
@@ -227,6 +228,8 @@ class Engine:
         """Wait until no sequence runs or waits, for up to ``longest`` s: background work
         that holds the GIL a while (loading a saved graph) goes between requests, and under
         unbroken load still goes on, one piece per ``longest``."""
+        if threading.get_ident() == self._iterating:  # asked by a pass itself (a drafter
+            return  # loading its graphs at a request's first use): that is the gap
         end = time.monotonic() + longest
         while self.busy and not self._stop and time.monotonic() < end:
             time.sleep(0.005)
@@ -411,6 +414,7 @@ class Engine:
         """One iteration: admit what fits, run one target pass per model over its running
         sequences (a lone sequence takes the single-sequence path), deliver the
         iteration's step events, then free finished and cancelled sequences."""
+        self._iterating = threading.get_ident()
         with self._cv:
             self._reap()
             self._admit()

@@ -9,8 +9,9 @@ The lifespan reads the checkpoints in ``--checkpoints`` (micro and micro-layersk
 configs, not their weights), the tokenizer and the drafter registry into a ``Service`` on
 ``app.state.service``, imports every drafter's module (so that no request imports one on
 the event loop), and starts the engine: by default a process of its own
-(``engine.client.MPClient``), which alone loads and runs the models; with
-``--engine-process false`` a thread of this process. On a machine with two or more cores
+(``engine.client.MPClient``), which alone loads and runs the models -- ``nodraft serve``
+launches it before this module is even imported (``server.main``), and the lifespan takes
+it over; with ``--engine-process false`` a thread of this process. On a machine with two or more cores
 ``nodraft serve`` gives the engine process every core but the last and keeps the last for
 this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/CSS from
 ``server/static``, nothing from outside). Around the routes (``server.api``):

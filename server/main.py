@@ -5,7 +5,8 @@ the long one; this process's imports (FastAPI, pydantic, the drafters' modules) 
 seconds of their own. So ``main`` reads the settings (nothing here imports torch), starts
 the engine process (``engine.launch``), pins this process to its own core, and only then
 imports the application (``server.app``), which takes the running engine over: the two
-starts overlap.
+starts overlap. Stopped before the application's own signal handling is in place (SIGTERM
+or Ctrl-C while it imports), it stops the engine and frees its sockets on the way out.
 """
 
 from __future__ import annotations

@@ -174,6 +174,22 @@ def test_work_between_requests_waits_for_a_gap():
         engine.stop()
 
 
+def test_a_pass_that_waits_for_a_gap_is_the_gap():
+    """Asked from the thread that runs the passes (a drafter that loads its saved graphs at
+    a request's first use), ``between_requests`` returns at once: that request is what
+    keeps the engine busy."""
+    engine = float64_engine(max_running=2)
+    engine.running.append(object())  # busy, with no engine thread to finish it
+    engine._iterating = threading.get_ident()
+    done = threading.Event()
+    threading.Thread(target=lambda: (engine.between_requests(longest=60), done.set()),
+                     daemon=True).start()
+    engine.between_requests(longest=60)  # this thread: at once
+    assert engine.busy and not done.wait(0.2)  # another thread: waits for the gap
+    engine.running.clear()
+    assert done.wait(10)
+
+
 def test_stops_at_end_of_text_without_emitting_it():
     want, _, _ = generate(MODEL, [9, 8, 7], 30)
     stop = want[5]
