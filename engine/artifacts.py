@@ -3,8 +3,8 @@
 ``nodraft compile`` (or the server, the first time it starts on a machine) builds every
 graph the engine's compiled passes use -- each model's single-sequence passes (one row and
 several, every early-exit range) and EAGLE's draft steps -- in a process of its own (which
-starts one compiling process per core, at most 4, that share the families out by claiming
-them: ``--workers``), and saves them with ``torch.compile``'s AOT precompilation
+starts one compiling process per core, at most 4 -- half as many when a server starts it
+-- that share the families out by claiming them: ``--workers``), and saves them with ``torch.compile``'s AOT precompilation
 (``micro.compiled.Precompiled``): a saved graph loads in a fraction of a second and runs
 without dynamo tracing it again. The
 kernels inductor generated for them sit in inductor's cache beside them
@@ -277,7 +277,8 @@ class Store:
         argv = [sys.executable, "-m", "engine.artifacts", "build",
                 "--checkpoints", str(self.config.checkpoints),
                 "--max-running", str(self.config.max_running), "--gemm", self.config.gemm,
-                "--compile-cache", str(self.home), "--parent-pid", str(os.getpid())]
+                "--compile-cache", str(self.home), "--parent-pid", str(os.getpid()),
+                "--workers", str(build_workers(serving=True))]
         log.info("nodraft: building the compiled passes in a process of their own (log: "
                  "%s); served eager until then", self.log_path)
         with open(self.log_path, "ab") as out:
@@ -290,16 +291,19 @@ class Store:
         return self.path
 
 
-def build_workers() -> int:
+def build_workers(serving: bool = False) -> int:
     """How many processes compile side by side by default: ``NODRAFT_BUILD_WORKERS``, else
-    one per usable core, at most 4 (each holds a compiler's memory, about a GB)."""
+    one per usable core, at most 4 (each holds a compiler's memory, about a GB) -- half as
+    many for a server's build (``serving``), which leaves the other half to the requests
+    it serves meanwhile: on 2 cores, two compiling processes made the eager requests
+    served meanwhile 1.27x slower at the median (docs/BENCHMARKS.md, "First start")."""
     if os.environ.get("NODRAFT_BUILD_WORKERS"):
         return max(1, int(os.environ["NODRAFT_BUILD_WORKERS"]))
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return max(1, min(cores, 4))
+    return max(1, min(cores // 2 if serving else cores, 4))
 
 
 def claimer(folder: Path):
@@ -373,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="only print the folder this configuration's artifacts go to")
     p.add_argument("--workers", type=int, default=None,
                    help="processes compiling side by side (default: $NODRAFT_BUILD_WORKERS, "
-                   "else one per core, at most 4)")
+                   "else one per core, at most 4; a server's own build: half as many)")
     p.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-of", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

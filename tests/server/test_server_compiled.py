@@ -75,11 +75,14 @@ def wait_ready(url: str, timeout: float) -> float:
 
 
 def test_compiled_passes_survive_a_killed_build_then_load_at_a_warm_start(
-        serve_checkpoints, live, tmp_path):
+        serve_checkpoints, live, tmp_path, monkeypatch):
     """A server killed (SIGKILL) while a process of its own builds its compiled passes
     takes the builder with it and leaves nothing that blocks the next start; the next
     server builds them again, serving meanwhile, and then answers as the eager server
-    does; a third one loads what the second built, builds nothing, and is ready soon."""
+    does; a third one loads what the second built, builds nothing, and is ready soon.
+    The builds compile in two processes side by side (the families claimed between them),
+    whatever this machine's cores would give a server's build."""
+    monkeypatch.setenv("NODRAFT_BUILD_WORKERS", "2")
     checkpoints = one_model(serve_checkpoints, "micro-layerskip", tmp_path / "checkpoints")
     cache = tmp_path / "cache"
     port = free_port()
