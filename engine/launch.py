@@ -23,10 +23,12 @@ import signal
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
 PR_SET_PDEATHSIG = 1
+SOCKETS_PREFIX = "nodraft-engine-"  # + the API process's pid: its sockets' folder
 
 
 @dataclass
@@ -77,7 +79,8 @@ class Launched:
 def launch(config: EngineConfig) -> Launched:
     """Bind the request socket and spawn the engine process (multiprocessing's ``spawn``:
     a fresh interpreter, no OpenMP or torch state inherited). Returns at once."""
-    directory = tempfile.mkdtemp(prefix="nodraft-engine-")
+    remove_stale_socket_folders()
+    directory = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
     inbox, outbox = f"ipc://{directory}/in", f"ipc://{directory}/out"
     context = zmq.Context()
     requests = context.socket(zmq.PUSH)
@@ -96,6 +99,25 @@ def launch(config: EngineConfig) -> Launched:
         shutil.rmtree(directory, ignore_errors=True)
         raise
     return Launched(config, process, directory, context, requests, outbox)
+
+
+def remove_stale_socket_folders() -> None:
+    """The socket folders of servers that are gone (one killed with SIGKILL cannot remove
+    its own): each folder is named after its server's pid."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SOCKETS_PREFIX}*-*"):
+        pid = folder.name[len(SOCKETS_PREFIX):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def engine_main(config: EngineConfig, input_address: str, output_address: str,

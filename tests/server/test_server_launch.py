@@ -66,6 +66,14 @@ def _serve(checkpoints: Path, port: int, tmp: Path, *extra: str) -> subprocess.P
 
 
 def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, tmp_path):
+    """... and removes the socket folders of servers that are gone (a SIGKILL leaves
+    one), never a live server's."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"nodraft-engine-{gone.pid}-x"  # its server is gone
+    live = tmp_path / f"nodraft-engine-{os.getpid()}-y"  # this process is not
+    stale.mkdir()
+    live.mkdir()
     port = free_port()
     proc = _serve(serve_checkpoints, port, tmp_path)
     url = f"http://127.0.0.1:{port}"
@@ -76,11 +84,12 @@ def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, 
         r = httpx.post(url + "/v1/completions", timeout=60, json={
             "model": "micro", "prompt": "def add(a, b):\n", "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
-        assert list(tmp_path.glob("nodraft-engine-*"))  # its sockets
+        assert list(tmp_path.glob(f"nodraft-engine-{proc.pid}-*"))  # its sockets
+        assert not stale.exists() and live.exists()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert not alive(engine)
-        assert not list(tmp_path.glob("nodraft-engine-*"))  # freed with it
+        assert not list(tmp_path.glob(f"nodraft-engine-{proc.pid}-*"))  # freed with it
     finally:
         if proc.poll() is None:
             proc.kill()
