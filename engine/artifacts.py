@@ -4,10 +4,10 @@
 graph the engine's compiled passes use -- each model's single-sequence passes (one row and
 several, every early-exit range) and EAGLE's draft steps -- in a process of its own (which
 starts one compiling process per core, at most 4 -- half as many when a server starts it
--- that share the families out by claiming them: ``--workers``), and saves them with ``torch.compile``'s AOT precompilation
-(``micro.compiled.Precompiled``): a saved graph loads in a fraction of a second and runs
-without dynamo tracing it again. The
-kernels inductor generated for them sit in inductor's cache beside them
+-- that share the families out by claiming them: ``--workers``), and saves them with
+``torch.compile``'s AOT precompilation (``micro.compiled.Precompiled``): a saved graph
+loads in a fraction of a second and runs without dynamo tracing it again. The kernels
+inductor generated for them sit in inductor's cache beside them
 (``TORCHINDUCTOR_CACHE_DIR`` defaults to ``<cache>/inductor``).
 
 Layout, under ``<cache>/compiled`` (``<cache>``: ``--compile-cache``, else
@@ -244,10 +244,7 @@ class Store:
         with ``O_EXCL`` in ``folder``, one per family name, which covers that family for
         every checkpoint (their graphs' code is the same, so the second one's compile
         finds the first's kernels in inductor's cache). Raises if any worker fails."""
-        argv = [sys.executable, "-m", "engine.artifacts", "build", "--checkpoints",
-                str(self.config.checkpoints), "--max-running", str(self.config.max_running),
-                "--gemm", self.config.gemm, "--compile-cache", str(self.home),
-                "--worker-of", str(folder), "--parent-pid", str(os.getpid())]
+        argv = self._build_argv("--worker-of", str(folder))
         # inductor's own pool of C++ compilers would only contend with the other workers
         env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
         log.info("nodraft: %d processes compile side by side", workers)
@@ -266,6 +263,13 @@ class Store:
         shutil.rmtree(folder / "claims")
         return sum(1 for _ in folder.rglob("*.pt2"))
 
+    def _build_argv(self, *extra: str) -> list[str]:
+        """A build process for this store's configuration, dying with this process."""
+        return [sys.executable, "-m", "engine.artifacts", "build",
+                "--checkpoints", str(self.config.checkpoints),
+                "--max-running", str(self.config.max_running), "--gemm", self.config.gemm,
+                "--compile-cache", str(self.home), "--parent-pid", str(os.getpid()), *extra]
+
     # -- the server's side -------------------------------------------------------------------
     def ensure(self) -> Path:
         """The store's folder, built first by a process of its own if it is not complete
@@ -274,11 +278,7 @@ class Store:
         if self.complete():
             return self.path
         self.root.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "engine.artifacts", "build",
-                "--checkpoints", str(self.config.checkpoints),
-                "--max-running", str(self.config.max_running), "--gemm", self.config.gemm,
-                "--compile-cache", str(self.home), "--parent-pid", str(os.getpid()),
-                "--workers", str(build_workers(serving=True))]
+        argv = self._build_argv("--workers", str(build_workers(serving=True)))
         log.info("nodraft: building the compiled passes in a process of their own (log: "
                  "%s); served eager until then", self.log_path)
         with open(self.log_path, "ab") as out:

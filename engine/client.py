@@ -25,7 +25,6 @@ import abc
 import asyncio
 import itertools
 import multiprocessing
-import os
 import shutil
 import threading
 import time

@@ -68,9 +68,9 @@ class Launched:
         if self.adopted:
             return
         self.adopted = True  # once
-        if self.process.is_alive():
+        if self.process.pid is not None:  # started
             self.process.kill()
-        self.process.join(10)
+            self.process.join(10)
         self.input.close(linger=0)
         self.context.term()
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -83,22 +83,17 @@ def launch(config: EngineConfig) -> Launched:
     directory = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
     inbox, outbox = f"ipc://{directory}/in", f"ipc://{directory}/out"
     context = zmq.Context()
-    requests = context.socket(zmq.PUSH)
     process = multiprocessing.get_context("spawn").Process(
         target=engine_main, name="nodraft-engine", args=(config, inbox, outbox, os.getpid()))
+    launched = Launched(config, process, directory, context, context.socket(zmq.PUSH), outbox)
     try:
-        requests.setsockopt(zmq.LINGER, 0)
-        requests.bind(inbox)
+        launched.input.setsockopt(zmq.LINGER, 0)
+        launched.input.bind(inbox)
         process.start()
     except BaseException:  # a failed bind or spawn, a signal meanwhile: leave nothing
-        if process.pid is not None:
-            process.kill()
-            process.join(10)
-        requests.close(linger=0)
-        context.term()
-        shutil.rmtree(directory, ignore_errors=True)
+        launched.close()
         raise
-    return Launched(config, process, directory, context, requests, outbox)
+    return launched
 
 
 def remove_stale_socket_folders() -> None:

@@ -11,8 +11,8 @@ configs, not their weights), the tokenizer and the drafter registry into a ``Ser
 the event loop), and starts the engine: by default a process of its own
 (``engine.client.MPClient``), which alone loads and runs the models -- ``nodraft serve``
 launches it before this module is even imported (``server.main``), and the lifespan takes
-it over; with ``--engine-process false`` a thread of this process. On a machine with two or more cores
-``nodraft serve`` gives the engine process every core but the last and keeps the last for
+it over; with ``--engine-process false`` a thread of this process. On a machine with two or
+more cores ``nodraft serve`` gives the engine process every core but the last and keeps the last for
 this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/CSS from
 ``server/static``, nothing from outside). Around the routes (``server.api``):
 
@@ -61,7 +61,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
