@@ -12,7 +12,9 @@ venv; every cache it uses is empty at the start (a temporary folder).
    again, sent a completion of each of five methods every ``--every`` seconds from its
    first second until its compiled passes are ready (or ``--seconds`` pass). Reports when
    ``/health`` first answered, when it said ``ready``, and each method's slowest latency
-   meanwhile against its eager reference.
+   meanwhile against its eager reference: each request against the same request on the
+   eager server (a method's first against its first there, the later ones against the
+   median of its later ones there).
 3. **Warm starts**: that server stopped and a new one started on the same caches, then
    again (``--warm-starts`` in all): when ``/health`` answered and said ``ready``, and each
    method's first request after that.
@@ -157,13 +159,21 @@ def main(argv: list[str] | None = None) -> None:
         requests = [r for r in rows if r[1] != "health"]
         served = [r for r in requests if r[2] == 200]
         worst = {m: max((r[3] for r in served if r[1] == m), default=None) for m in METHODS}
-        # each method's first request on this server, against the eager server's first
+        # each request against the same request on the eager server: a method's first on a
+        # server against the eager server's first (no history yet: auto's estimates, and
+        # suffix decoding's tree of earlier outputs, where a repeated seeded request finds
+        # its whole text), every later one against the eager server's later ones
         first = {m: next((r[3] for r in served if r[1] == m), None) for m in METHODS}
+        ratios: dict[str, list[float]] = {m: [] for m in METHODS}
+        for r in served:
+            ratios[r[1]].append(r[3] / (eager_first if not ratios[r[1]] else eager)[r[1]])
         out["cold"] = {"killed_after": args.kill_after, "health": answered, "ready": ready,
                        "requests": len(requests), "answered_200": len(served),
                        "refused": len(requests) - len(served), "slowest": worst,
-                       "slowest_over_eager": {m: round(worst[m] / eager[m], 2)
-                                              for m in METHODS if worst[m]},
+                       "slowest_over_eager": {m: round(max(ratios[m]), 2)
+                                              for m in METHODS if ratios[m]},
+                       "slowest_over_eager_median": {m: round(worst[m] / eager[m], 2)
+                                                     for m in METHODS if worst[m]},
                        "first_over_eager_first": {m: round(first[m] / eager_first[m], 2)
                                                   for m in METHODS if first[m]},
                        "rows": rows}

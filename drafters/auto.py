@@ -124,7 +124,8 @@ def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
     if (ctx is not None and ctx.cache.k.dtype == dtype
             and ctx.cache.lengths[ctx.slot] + ROWS[-1] <= ctx.cache.max_len):
         return costs.measure(model, ctx.cache, ctx.slot, ctx.cache.lengths[ctx.slot])
-    return costs.measure(model, KVCache(model.config, 1, max_len=64, dtype=dtype), 0, 32)
+    return costs.measure(model, KVCache(model.config, 1, max_len=costs.CONTEXT + ROWS[-1],
+                                         dtype=dtype), 0, costs.CONTEXT)
 
 
 class Auto:

@@ -22,6 +22,10 @@ import torch
 ROWS = (1, 2, 3, 5, 9, 17)  # the pass sizes timed; between them, linear interpolation
 MAX_ROWS = 65  # the current token and the longest draft auto sends
 ROUNDS = 7  # timed passes per size (each keeps its fastest)
+# the cached rows the engine's passes are timed past: a request's passes run past its
+# prompt, and compiled graphs only past a few cached rows (micro.compiled.MIN_CONTEXT;
+# shorter prefixes run eager), so a table timed at 0 priced compiled passes as eager ones
+CONTEXT = 32
 
 
 class PassCost:

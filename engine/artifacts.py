@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the code that defines the graphs and how they are saved: any change rebuilds them
 CODE = ("micro/compiled.py", "micro/model.py", "micro/gemm.py", "micro/csrc/gemm.cpp",
         "drafters/eagle.py")
-VERSION = 1  # of this layout and of how graphs are saved: a change rebuilds them
+VERSION = 2  # of this layout and of how graphs are saved: a change rebuilds them
 
 
 def cache_home(explicit: str | os.PathLike | None = None) -> Path:
@@ -90,6 +90,34 @@ def import_runtime() -> None:
             importlib.import_module(name)
         except ImportError:
             log.debug("nodraft: no module %s in this torch", name)
+
+
+def _vec_isa() -> str:
+    """The vector instruction set inductor's kernels were generated for on this machine
+    (it compiles and loads a probe the first time a process asks)."""
+    from torch._inductor import cpu_vec_isa
+
+    return str(cpu_vec_isa.pick_vec_isa())
+
+
+def trust_the_build(manifest: dict) -> None:
+    """Skip inductor's probe of the vector unit, which every process that loads a kernel
+    runs again (a C++ compile and a Python process that loads it, about 0.7 s here),
+    when the build on this machine already ran it (the key holds the CPU's flags and
+    torch's version). The vector unit is trusted only when inductor, told so, picks what
+    the build picked (the kernels' command lines, so their cache keys, name it); else it
+    probes. (Its precompiled header, about 0.4 s of preprocessing, stays: turning it off
+    changes the cpp_wrapper modules' keys, and they were built again.)"""
+    from torch._inductor import config, cpu_vec_isa
+
+    built = manifest.get("vec_isa")
+    if built is None or config.cpp.vec_isa_ok is not None:  # an older store; the user's
+        return
+    config.cpp.vec_isa_ok = built != str(cpu_vec_isa.invalid_vec_isa)
+    cpu_vec_isa.valid_vec_isa_list.cache_clear()
+    if str(cpu_vec_isa.pick_vec_isa()) != built:
+        config.cpp.vec_isa_ok = None
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 def _cpu_flags() -> str:
@@ -150,6 +178,9 @@ class Store:
     def complete(self) -> bool:
         return (self.path / "manifest.json").is_file()
 
+    def manifest(self) -> dict:
+        return json.loads((self.path / "manifest.json").read_text())
+
     def failure(self) -> str | None:
         try:
             return json.loads(self.failed_path.read_text())["error"]
@@ -194,7 +225,8 @@ class Store:
                     self.failed_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
                 raise
             manifest = {"key": self.key, "parts": self.parts, "graphs": graphs,
-                        "seconds": round(time.perf_counter() - t0, 1), "built": time.time()}
+                        "seconds": round(time.perf_counter() - t0, 1), "built": time.time(),
+                        "vec_isa": _vec_isa()}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
             if self.path.exists():  # an incomplete folder of an older layout
                 shutil.rmtree(self.path)

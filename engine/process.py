@@ -92,6 +92,7 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
 
     def load() -> None:
         folder = store.ensure()
+        artifacts.trust_the_build(store.manifest())
         log.info("nodraft: %d compiled graphs loaded", artifacts.load(engine, folder))
 
     def done(seconds: float) -> None:

@@ -38,8 +38,20 @@ LOAD = textwrap.dedent("""
     model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
     n = model.compiled.load(sys.argv[1])
     out = passes(model)
+    # a saved graph keeps its tensor guards: loaded afresh, its first call with a tensor
+    # of another dtype is refused (and that family runs eager)
+    other = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
+    other.compiled.load(sys.argv[1])
+    pre = other.compiled.precompiled
+    row = next(f for f in pre.fns if not f[3])
+    cache = KVCache(SMALL, 2)
+    k, v = cache.k[0:2, 0][:, :, :9], cache.v[0:2, 0][:, :, :9]
+    with torch.inference_mode():
+        refused = pre(row, (torch.zeros(1, SMALL.dim, dtype=torch.float64), torch.tensor([9]),
+                            k, v, None)) is None
     print(json.dumps({"loaded": n, "frames": sum(counters["frames"].values()),
-                      "running": len(model.compiled.precompiled.fns), "out": out}))
+                      "running": len(model.compiled.precompiled.fns), "out": out,
+                      "refused": refused and row not in pre.fns}))
 """)
 
 
@@ -73,10 +85,31 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # loaded, run (none refused by its guards: it would have run eager) and nothing traced
     assert got["loaded"] == 2 and got["running"] == 2 and got["frames"] == 0
+    assert got["refused"]
     torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(want), rtol=1e-5,
                                atol=1e-5)
     torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(eager), rtol=1e-4,
                                atol=1e-4)
+
+
+def test_a_load_trusts_the_builds_vector_unit_only_where_inductor_picks_it(monkeypatch):
+    """A warm start skips inductor's probe of the vector unit (a compile and a process)
+    when told the ISA the build used and inductor, trusting it, picks the same one."""
+    from torch._inductor import config, cpu_vec_isa
+
+    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    try:
+        built = artifacts._vec_isa()  # probed, as the build does
+        artifacts.trust_the_build({"vec_isa": built})
+        assert config.cpp.vec_isa_ok is (built != str(cpu_vec_isa.invalid_vec_isa))
+        assert str(cpu_vec_isa.pick_vec_isa()) == built
+        config.cpp.vec_isa_ok = None
+        artifacts.trust_the_build({"vec_isa": "an ISA this machine lacks"})
+        assert config.cpp.vec_isa_ok is None  # probed as before
+        artifacts.trust_the_build({})  # a store without the record
+        assert config.cpp.vec_isa_ok is None
+    finally:
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 
 def test_the_key_changes_with_what_invalidates_the_graphs(tmp_path):

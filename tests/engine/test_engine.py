@@ -103,9 +103,19 @@ def test_measured_cost_figures_price_each_pass_by_its_rows():
 
 
 def test_an_idle_engine_measures_its_pass_costs_before_any_request():
+    """... past a context where compiled passes run (they need a few cached rows; a table
+    timed at position 0 priced every compiled pass as an eager one)."""
     from drafters import costs
+    from micro.compiled import MIN_CONTEXT
     model = tiny_model(dtype=torch.float32)  # an object of its own: no table measured yet
     assert costs.latest(model) is None
+    starts, verify = [], model.verify_pass
+
+    def recording(ids, cache, slot, start, *args, **kwargs):
+        starts.append(start)
+        return verify(ids, cache, slot, start, *args, **kwargs)
+
+    model.verify_pass = recording
     engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
     engine.start()
     try:
@@ -114,6 +124,7 @@ def test_an_idle_engine_measures_its_pass_costs_before_any_request():
             time.sleep(0.05)
         table = costs.latest(model)
         assert table is not None and table(17) >= table(1) > 0
+        assert starts and min(starts) >= MIN_CONTEXT
         assert not engine.idle_work()  # measured once, not again and again
         events = run_all(engine, [GenerationRequest("tiny", [1, 2, 3, 1, 2, 3], 8,
                                                     method="prompt_lookup")])[0]
