@@ -18,6 +18,10 @@ venv; every cache it uses is empty at the start (a temporary folder).
 3. **Warm starts**: that server stopped and a new one started on the same caches, then
    again (``--warm-starts`` in all): when ``/health`` answered and said ``ready``, and each
    method's first request after that.
+
+One HTTP client per server start, kept: a fresh httpx client per call costs about 60 ms of
+CPU here (its TLS context), which an earlier version counted in every latency, and its
+/health poll took a third of a core from the server it timed.
 """
 
 from __future__ import annotations
@@ -49,21 +53,21 @@ def stop(server: subprocess.Popen, sig=signal.SIGTERM) -> None:
     server.wait(timeout=60)
 
 
-def complete(url: str, method: str) -> tuple[int | str, float]:
+def complete(client: httpx.Client, url: str, method: str) -> tuple[int | str, float]:
     body = {"model": "micro-layerskip" if method == "early_exit" else "micro",
             "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0.8, "seed": 1,
             "speculation": method}
     t = time.time()
     try:
-        status = httpx.post(url + "/v1/completions", json=body, timeout=120).status_code
+        status = client.post(url + "/v1/completions", json=body, timeout=120).status_code
     except httpx.HTTPError as e:
         status = type(e).__name__
     return status, round(time.time() - t, 3)
 
 
-def health(url: str) -> str | None:
+def health(client: httpx.Client, url: str) -> str | None:
     try:
-        r = httpx.get(url + "/health", timeout=1)
+        r = client.get(url + "/health", timeout=1)
         return r.json().get("compiled") if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -81,8 +85,9 @@ class Watch:
         self.thread.start()
 
     def _run(self) -> None:
+        client = httpx.Client()
         while not self.stop.is_set() and self.ready is None:
-            h = health(self.url)
+            h = health(client, self.url)
             if h is not None and self.answered is None:
                 self.answered = round(time.time() - self.t0, 2)
             if h == "ready":
@@ -98,8 +103,9 @@ class Watch:
 def wait_health(url: str, t0: float, until: str | None, timeout: float) -> tuple[float | None, float | None]:
     """(seconds until /health answered, seconds until it said ``until``)."""
     answered = said = None
+    client = httpx.Client()
     while time.time() - t0 < timeout:
-        h = health(url)
+        h = health(client, url)
         if h is not None and answered is None:
             answered = round(time.time() - t0, 2)
         if answered is not None and (until is None or h == until):
@@ -128,10 +134,11 @@ def main(argv: list[str] | None = None) -> None:
         # 1. the eager reference
         server = start(args.port, env, log, "--compile", "false")
         wait_health(url, time.time(), None, 120)
+        client = httpx.Client()
         eager, eager_first = {}, {}
         for m in METHODS:
-            status, eager_first[m] = complete(url, m)  # its first: a fresh drafter state
-            runs = [complete(url, m) for _ in range(3)]
+            status, eager_first[m] = complete(client, url, m)  # its first: a fresh drafter state
+            runs = [complete(client, url, m) for _ in range(3)]
             if any(st != 200 for st, _ in runs):
                 raise SystemExit(f"the eager reference failed for {m}: {runs}")
             eager[m] = statistics.median(secs for _, secs in runs)
@@ -146,11 +153,12 @@ def main(argv: list[str] | None = None) -> None:
         stop(server, signal.SIGKILL)
         print(f"killed start: /health answered at {answered} s; SIGKILL at {args.kill_after} s",
               flush=True)
+        client = httpx.Client()
         server, t0 = start(args.port, env, log), time.time()
         watch, rows = Watch(url, t0), []
         while time.time() - t0 < args.seconds and watch.ready is None:
             for m in METHODS:
-                status, secs = complete(url, m)
+                status, secs = complete(client, url, m)
                 rows.append((round(time.time() - t0 - secs, 1), m, status, secs))
             print(rows[-5:], flush=True)
             time.sleep(args.every)
@@ -182,13 +190,14 @@ def main(argv: list[str] | None = None) -> None:
         # 3. warm starts on the same caches
         out["warm"] = []
         for _ in range(args.warm_starts):
+            client = httpx.Client()
             server, t0 = start(args.port, env, log), time.time()
             watch = Watch(url, t0)
             while watch.ready is None and time.time() - t0 < 300:
                 time.sleep(0.05)
             answered, ready = watch.close()
-            first = {m: complete(url, m) for m in METHODS}
-            again = {m: complete(url, m)[1] for m in METHODS}
+            first = {m: complete(client, url, m) for m in METHODS}
+            again = {m: complete(client, url, m)[1] for m in METHODS}
             stop(server)
             out["warm"].append({"health": answered, "ready": ready,
                                 "first_request": {m: s for m, (_, s) in first.items()},
