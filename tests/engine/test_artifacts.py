@@ -92,12 +92,13 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
                                atol=1e-4)
 
 
-def test_a_load_trusts_the_builds_vector_unit_only_where_inductor_picks_it(monkeypatch):
+def test_a_load_trusts_the_builds_vector_unit_only_where_inductor_picks_it():
     """A warm start skips inductor's probe of the vector unit (a compile and a process)
     when told the ISA the build used and inductor, trusting it, picks the same one."""
     from torch._inductor import config, cpu_vec_isa
 
-    monkeypatch.setattr(config.cpp, "vec_isa_ok", None)
+    before = config.cpp.vec_isa_ok  # (pytest's monkeypatch deletes it from inductor's config)
+    config.cpp.vec_isa_ok = None
     try:
         built = artifacts._vec_isa()  # probed, as the build does
         artifacts.trust_the_build({"vec_isa": built})
@@ -109,6 +110,7 @@ def test_a_load_trusts_the_builds_vector_unit_only_where_inductor_picks_it(monke
         artifacts.trust_the_build({})  # a store without the record
         assert config.cpp.vec_isa_ok is None
     finally:
+        config.cpp.vec_isa_ok = before
         cpu_vec_isa.valid_vec_isa_list.cache_clear()
 
 

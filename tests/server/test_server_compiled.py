@@ -2,13 +2,18 @@
 process of its own builds the graphs once (engine/artifacts.py) while the engine serves
 eager, /health says so, and once they are loaded the server answers greedy requests with
 the same tokens as the eager server; a build stopped by SIGKILL never blocks the next
-start, and a later start loads the graphs instead of building them. It serves
+start, and a later start loads the graphs instead of building them. And the invariant on
+those graphs: every drafter and parameter set, greedy, gives eager plain decoding's tokens
+with every pass compiled as the server runs it. It serves
 micro-layerskip alone (its trained exits make early exit's graphs matter): a model's
 graphs are built the same way for each. (Saving and loading graph by graph is tested on
 the engine itself: tests/engine/test_artifacts.py.)"""
 
+import json
+import os
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -22,6 +27,73 @@ MAX_RUNNING = 4
 METHODS = ["none", "prompt_lookup", "suffix", {"method": "early_exit", "exit_layer": 2},
            "eagle", "auto"]
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return"
+
+
+# In a fresh interpreter (inductor's cache where the server's build put its kernels): an
+# engine shaped as the server's loads the graphs the server built, and every drafter and
+# parameter set (EAGLE in its default shape, whose graphs the build holds) decodes greedy
+# exactly what eager plain decoding does -- the invariant with every pass run as the
+# server runs it. Prints the mismatches and what dynamo traced meanwhile.
+EVERY_DRAFTER = textwrap.dedent(r"""
+    import json, sys
+    from pathlib import Path
+    import torch
+    from torch._dynamo.utils import counters
+    from engine import artifacts
+    from engine.core import GenerationRequest
+    from engine.process import build_engine
+    from micro.checkpoint import load_model, load_tokenizer
+    from server.settings import Settings
+    from tests.engine.helpers import all_configs, generate, run_all
+    checkpoints, cache, max_running = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(1)
+    config = Settings(checkpoints=checkpoints, threads=1, compile=True, compile_cache=cache,
+                      max_running=max_running).engine_config()
+    store = artifacts.Store(config, cache)
+    engine = build_engine(config)
+    engine.warm_up(load=lambda: artifacts.load(engine, store.path)).join()
+    assert engine.compiled_ready, engine.compiled_error
+    trusted = engine.models["micro-layerskip"].compiled.precompiled._trusted
+    trusted.clear()  # the warm-up ran each once: count those the requests run
+    engine.start()
+    eager, tok = load_model("micro-layerskip", checkpoints), load_tokenizer()
+    configs = [(m, p) for m, p in all_configs() if m != "eagle" or not p]
+    texts = ["def fibonacci(n):\n    ", "import os\nimport sys\nimport os\nimport sys\nimport",
+             'class Queue:\n    \"\"\"A']
+    wrong = []
+    try:
+        for text in texts:
+            for max_tokens in (40, 13):
+                prompt = tok.encode(text)
+                want, _, _ = generate(eager, prompt, max_tokens)
+                for method, params in configs:
+                    _, parsed = engine.registry.parse({"method": method, **params})
+                    request = GenerationRequest("micro-layerskip", prompt, max_tokens,
+                                                method=method, params=parsed)
+                    events = run_all(engine, [request])[0]
+                    got = [t for e in events if e.kind == "step" for t in e.step.tokens]
+                    errors = events[-1].stats.drafter_errors if events[-1].stats else -1
+                    if got != want or errors:
+                        wrong.append([text, max_tokens, method, params, errors])
+    finally:
+        engine.stop()
+    model = engine.models["micro-layerskip"]
+    print(json.dumps({"wrong": wrong, "frames": sum(counters["frames"].values()),
+                      "graphs": len(model.compiled.precompiled.fns),
+                      "ran": len(trusted)}))
+""")
+
+
+def every_drafter_matches_eager(checkpoints: Path, cache: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", EVERY_DRAFTER, str(checkpoints), str(cache), str(MAX_RUNNING)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    # all of them right, on loaded graphs (the build's 11 target passes for the model, each
+    # run by some request), nothing traced
+    assert got["wrong"] == [] and got["frames"] == 0 and got["graphs"] == got["ran"] == 11, got
 
 
 def _complete(url: str, speculation) -> dict:
@@ -126,3 +198,4 @@ def test_compiled_passes_survive_a_killed_build_then_load_at_a_warm_start(
             assert got["choices"][0]["text"] == _complete(live.url, speculation)["choices"][0]["text"]
     assert (manifest.stat().st_mtime, log.stat().st_size) == built and not builders(cache)
     assert httpx.get(live.url + "/health").json()["compiled"] == "off"
+    every_drafter_matches_eager(checkpoints, cache)
