@@ -68,7 +68,8 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
     drafter = registry.build(meth, p, env)
     cache = KVCache(model.config, 1)
     # the measured-cost figures' table: once per model and compiled state, in this cache
-    cost = costs.current(model) or costs.measure(model, cache, 0, 0)
+    cost = costs.current(model) or costs.measure(model, cache, 0,
+                                                 costs.timing_start(cache.max_len))
     seq = Sequence(model, cache, 0, prompt, drafter, n_tokens, method=meth, pass_cost=cost)
     out: list[int] = []
     with torch.inference_mode():

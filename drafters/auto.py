@@ -113,19 +113,23 @@ MAX_MATCH = 8  # match lengths at or above this share one estimate
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
     """The pass-cost table for this model (``drafters.costs``), measured once per model
     object in this process and again when its compiled graphs change. Timed in the
-    request's own KV slot, on the rows past its committed length (scratch until
-    verification overwrites them), so the passes timed are the ones that will run -- the
-    same cache, so the same compiled graphs; a private cache when the slot has no room."""
+    request's own KV slot, on the rows past its committed length (and past
+    ``costs.CONTEXT``; scratch until verification overwrites them), so the passes timed are
+    the ones that will run -- the same cache, so the same compiled graphs; a private cache
+    when the slot has no room."""
     model = env.model
     got = costs.current(model)
     if got is not None:
         return got
     dtype = model.tok_embeddings.weight.dtype
+    # past the committed rows, and past the few rows compiled passes need
+    start = None if ctx is None else max(ctx.cache.lengths[ctx.slot], costs.CONTEXT)
     if (ctx is not None and ctx.cache.k.dtype == dtype
-            and ctx.cache.lengths[ctx.slot] + ROWS[-1] <= ctx.cache.max_len):
-        return costs.measure(model, ctx.cache, ctx.slot, ctx.cache.lengths[ctx.slot])
-    return costs.measure(model, KVCache(model.config, 1, max_len=costs.CONTEXT + ROWS[-1],
-                                         dtype=dtype), 0, costs.CONTEXT)
+            and start + ROWS[-1] <= ctx.cache.max_len):
+        return costs.measure(model, ctx.cache, ctx.slot, start)
+    cache = KVCache(model.config, 1, max_len=min(model.config.max_positions,
+                                                 costs.CONTEXT + ROWS[-1]), dtype=dtype)
+    return costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
 
 
 class Auto:

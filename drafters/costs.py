@@ -28,6 +28,12 @@ ROUNDS = 7  # timed passes per size (each keeps its fastest)
 CONTEXT = 32
 
 
+def timing_start(max_len: int) -> int:
+    """Where passes are timed in a cache of ``max_len`` rows: ``CONTEXT``, or as near it as
+    leaves room for the largest pass."""
+    return max(0, min(CONTEXT, max_len - ROWS[-1]))
+
+
 class PassCost:
     """Seconds of a target pass over ``rows`` rows, from passes timed on this machine at
     ``ROWS`` sizes and interpolated (extrapolated past the largest)."""

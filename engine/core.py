@@ -257,7 +257,7 @@ class Engine:
             # else the first request after "ready" (auto's, or its figures) would time it
             self.between_requests()
             try:
-                costs.measure(model, scratch, 0, costs.CONTEXT)
+                costs.measure(model, scratch, 0, costs.timing_start(scratch.max_len))
             except Exception:  # the engine's idle measurement tries again, and logs it
                 log.debug("nodraft: %s's pass costs not measured after the load", name)
 
@@ -392,7 +392,7 @@ class Engine:
         model, cache = self.models[name], self.caches[name]
         cache.reset(slot)
         try:
-            return costs.measure(model, cache, slot, costs.CONTEXT, stop)
+            return costs.measure(model, cache, slot, costs.timing_start(cache.max_len), stop)
         except Exception:
             log.exception("nodraft: the pass costs of %s could not be measured", name)
             self._cost_failed.add((name, costs.compiled_state(model)))

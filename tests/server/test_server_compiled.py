@@ -88,7 +88,8 @@ def every_drafter_matches_eager(checkpoints: Path, cache: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", EVERY_DRAFTER, str(checkpoints), str(cache), str(MAX_RUNNING)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
+        env={**os.environ, "PYTHONPATH": str(ROOT),
+             "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # all of them right, on loaded graphs (the build's 11 target passes for the model, each
