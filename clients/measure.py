@@ -28,6 +28,7 @@ from micro.model import KVCache, Micro
 from micro.tokenizer import Tokenizer
 from engine.sequence import Sequence
 from engine.stats import SpecStats
+from engine.verify import SamplingParams
 
 FRESH_FROM = ("functools", "def total_ordering(cls):")
 REPEAT_FROM = ("functools", "def _lt_from_gt(self, other):")
@@ -57,9 +58,11 @@ class Run:
 def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
            params: dict | None = None, registry: Registry | None = None,
            shared: dict | None = None, model_name: str = "micro",
-           heads: Path | None = None) -> Run:
-    """One greedy decode; ``heads``: where trained drafters find their weights (default:
-    beside the checkpoints)."""
+           heads: Path | None = None, sampling: SamplingParams | None = None,
+           stop_ids: frozenset[int] = frozenset()) -> Run:
+    """One decode, greedy unless ``sampling`` says otherwise (seeded: the same text under
+    every drafter); ``heads``: where trained drafters find their weights (default: beside
+    the checkpoints); ``stop_ids``: tokens that end it (a chat turn's end)."""
     registry = registry or Registry()
     meth, p = registry.parse({"method": method, **(params or {})})
     env = DrafterEnv(model_name, model, {} if shared is None else shared)
@@ -70,7 +73,8 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
     # the measured-cost figures' table: once per model and compiled state, in this cache
     cost = costs.current(model) or costs.measure(model, cache, 0,
                                                  costs.timing_start(cache.max_len))
-    seq = Sequence(model, cache, 0, prompt, drafter, n_tokens, method=meth, pass_cost=cost)
+    seq = Sequence(model, cache, 0, prompt, drafter, n_tokens, sampling or SamplingParams(),
+                   stop_ids, method=meth, pass_cost=cost)
     out: list[int] = []
     with torch.inference_mode():
         seq.prefill()

@@ -4,6 +4,7 @@
     nodraft compile  [--max-running N] [--compile-cache DIR]   the compiled passes, built ahead
     nodraft eval     [--json]          held-out loss of every checkpoint and variant
     nodraft workshop [--json] [--plot FILE] [--url URL]   the course's table, measured
+    nodraft bench    [--models ...] [--regimes ...]       the workload suite, greedy and sampled
     nodraft train    tokenizer | micro | medusa | eagle ...
     nodraft export-hf DIR [--model NAME]
     nodraft loadtest --url URL --concurrency N --requests M [--json]
@@ -22,6 +23,7 @@ COMMANDS = {
     "eval": ("drafters.evaluation", "main", "held-out loss of every checkpoint and variant, and of trained drafters"),
     "compile": ("engine.artifacts", "main", "build the compiled passes for this machine ahead of time"),
     "workshop": ("clients.workshop", "main", "the course's table, measured"),
+    "bench": ("clients.bench", "main", "the workload suite: every drafter, greedy and sampled, by category"),
     "export-hf": ("micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
     "loadtest": ("clients.loadtest", "main", "load-test a running server"),
 }

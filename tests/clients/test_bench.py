@@ -1,0 +1,57 @@
+"""``nodraft bench``: the workload suite's prompts, its loop share, and a short run of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from clients import bench
+from micro.checkpoint import load_tokenizer
+
+
+def test_loop_share_counts_tokens_that_complete_a_seen_ngram():
+    assert bench.loop_share([]) == 0.0
+    assert bench.loop_share(list(range(20))) == 0.0
+    # 1 2 3 4 repeated: after the first four, every token completes a 4-gram seen before
+    loop = [1, 2, 3, 4] * 5
+    assert bench.loop_share(loop) == pytest.approx(13 / 20)  # 4-grams from the 5th token: 16, 3 new
+    assert bench.loop_share([7] * 10) == pytest.approx(6 / 10)
+
+
+def test_every_category_has_its_own_held_out_prompts():
+    tok = load_tokenizer()
+    prompts = bench.build_prompts(tok, 2)
+    assert list(prompts) == list(bench.CATEGORIES)
+    names = [p["name"] for ps in prompts.values() for p in ps]
+    assert all(len(ps) == 2 for ps in prompts.values())
+    assert len(set(names)) == len(names)  # no function serves two categories
+    assert all(len(p["ids"]) > 10 for ps in prompts.values() for p in ps)
+    edit = tok.decode(prompts["edit"][0]["ids"])
+    assert "_v2(" in edit  # the opening again, renamed
+    chat = prompts["chat"][0]
+    assert tok.decode(chat["ids"]).endswith("<|assistant|>") and chat["stop_ids"]
+    # held out: the same text is not in the training split's documents
+    from micro.corpus import split_documents
+    rag = tok.decode(prompts["rag"][0]["ids"]).split("\n")[1]
+    assert not any(rag[2:] in d.text for d in split_documents("train"))
+
+
+def test_a_short_run_reports_every_row_and_checks_the_text(tmp_path, capsys):
+    out, md, png = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "bench.png"
+    bench.main(["--models", "micro", "--categories", "edit,chat", "--regimes", "greedy,t1.0",
+                "--methods", "prompt_lookup,suffix", "--prompts", "1", "--tokens", "12",
+                "--repeats", "2", "--eager", "--json-out", str(out), "--md-out", str(md),
+                "--plot", str(png)])
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 2 * 2 * 2
+    for row in result["rows"]:
+        assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
+        assert row["tokens_per_pass"] >= 1.0 and 0.0 <= row["loop_share"] <= 1.0
+        assert row["none_tokens_per_s"] > 0
+    assert {(s["category"], s["regime"]) for s in result["summary"]} == {
+        (c, r) for c in ("edit", "chat") for r in ("greedy", "t1.0")}
+    assert all(s["best"] in ("prompt_lookup", "suffix") for s in result["summary"])
+    assert "| micro | greedy | edit |" in md.read_text() and png.stat().st_size > 1000
+    with pytest.raises(SystemExit):
+        bench.main(["--regimes", "t9"])
