@@ -283,6 +283,11 @@ def main(argv: list[str] | None = None) -> None:
                              (set(regimes) - set(REGIMES), tuple(REGIMES), "regimes")):
         if bad:
             p.error(f"unknown {what} {sorted(bad)}; known: {', '.join(known)}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib (pip install matplotlib)")
     torch.set_num_threads(args.threads)
     tok = load_tokenizer()
     prompts = build_prompts(tok, args.prompts)
