@@ -101,13 +101,14 @@ def _vec_isa() -> str:
 
 
 def trust_the_build(manifest: dict) -> None:
-    """Skip inductor's probe of the vector unit, which every process that loads a kernel
-    runs again (a C++ compile and a Python process that loads it, about 0.7 s here),
-    when the build on this machine already ran it (the key holds the CPU's flags and
-    torch's version). The vector unit is trusted only when inductor, told so, picks what
-    the build picked (the kernels' command lines, so their cache keys, name it); else it
-    probes. (Its precompiled header, about 0.4 s of preprocessing, stays: turning it off
-    changes the cpp_wrapper modules' keys, and they were built again.)"""
+    """Skip inductor's probe of the vector unit (a C++ compile and a process that loads
+    it), which every process that loads a kernel runs again, when the build on this
+    machine recorded its result (``manifest["vec_isa"]``; the key holds the CPU's flags
+    and torch's version). The unit is trusted only when inductor, told so, picks what the
+    build picked -- the kernels' command lines, so their cache keys, name it; else it
+    probes as before. A choice the user made (``TORCHINDUCTOR_VEC_ISA_OK``) stands.
+    (Inductor's precompiled header stays on: turning it off changes the cpp_wrapper
+    modules' keys, and they would be built again.)"""
     from torch._inductor import config, cpu_vec_isa
 
     built = manifest.get("vec_isa")

@@ -338,14 +338,15 @@ class Precompiled:
 
 
 def saved_guards(entries) -> list[bool]:
-    """Which of dynamo's guards a saved graph keeps: those on its tensors (shape, strides,
-    dtype, device; the inputs' and the closed-over weights') and its symbolic shapes --
-    what its first call in a process checks (``Precompiled.__call__``). The rest protect
-    what the store's key already pins: the code and checkpoint a graph was built from
-    (module, closure and constant guards) and this server's global state (grad mode,
-    deterministic algorithms, the default device). Building them at load took about 40% of
-    a graph's load (22 graphs: 1.0 of 2.8 s here); and global guards cannot be saved at
-    all (``aot_compile`` drops those itself)."""
+    """Which of dynamo's guards a saved graph keeps (``guard_filter_fn``): those on its plain
+    tensors -- shape, strides, dtype, device of its inputs and of the weight copies it
+    closes over -- and its symbolic shapes, which its first call in a process checks
+    (``Precompiled.__call__``). The rest protect what the artifact store's key already pins:
+    the code and checkpoint the graph was built from (module, parameter, closure and constant
+    guards) and the process's global state (grad mode, deterministic algorithms, the default
+    device), which the engine does not change. Global guards cannot be saved at all
+    (``aot_compile`` drops them itself). Fewer guards also load faster
+    (docs/BENCHMARKS.md, "First start")."""
     return [e.guard_type in ("TENSOR_MATCH", "SHAPE_ENV") and not e.is_global
             and not isinstance(e.value, torch.nn.Parameter) for e in entries]
 
