@@ -31,10 +31,12 @@ def test_every_category_has_its_own_held_out_prompts():
     assert "_v2(" in edit  # the opening again, renamed
     chat = prompts["chat"][0]
     assert tok.decode(chat["ids"]).endswith("<|assistant|>") and chat["stop_ids"]
-    # held out: the same text is not in the training split's documents
+    # held out: every prompt comes from a module of the held-out split, none of the train's
     from micro.corpus import split_documents
-    rag = tok.decode(prompts["rag"][0]["ids"]).split("\n")[1]
-    assert not any(rag[2:] in d.text for d in split_documents("train"))
+    units = {p["name"].split(" ")[0] if c == "long" else p["name"].rsplit(".", 1)[0]
+             for c, ps in prompts.items() for p in ps}
+    held_out = {d.unit for d in split_documents("heldout")}
+    assert units <= held_out and not units & {d.unit for d in split_documents("train")}
 
 
 def test_a_short_run_reports_every_row_and_checks_the_text(tmp_path, capsys):
