@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from clients.measure import decode
+from clients.measure import alternated
 from drafters.registry import Registry
 from engine.verify import SamplingParams
 from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
@@ -168,22 +168,12 @@ def _sampling(regime: str, repeat: int) -> SamplingParams:
 def measure(model, name: str, prompt: dict, regime: str, method: str, params: dict,
             tokens: int, repeats: int, registry: Registry) -> dict:
     """One row: ``method`` against ``none`` on one prompt in one regime, alternated."""
-    stop = frozenset(prompt.get("stop_ids", ()))
-    ids = prompt["ids"]
-    # untimed: what this method compiles at its first use in this process
-    decode(model, ids, tokens, method, params, registry, {}, name, sampling=_sampling(regime, 0),
-           stop_ids=stop)
-    ratios, base, runs = [], [], []
-    for r in range(repeats):
-        sp = _sampling(regime, r)
-        b = decode(model, ids, tokens, "none", None, registry, {}, name, sampling=sp, stop_ids=stop)
-        run = decode(model, ids, tokens, method, params, registry, {}, name, sampling=sp,
-                     stop_ids=stop)
-        if run.tokens != b.tokens:
-            raise AssertionError(f"{method} on {name} ({regime}, seed {sp.seed}) changed the text")
-        ratios.append(b.seconds / run.seconds)
-        base.append(len(b.tokens) / b.seconds)
-        runs.append(run)
+    pairs = alternated(model, prompt["ids"], tokens, method, params, repeats, name,
+                       registry=registry, sampling=lambda r: _sampling(regime, r),
+                       stop_ids=frozenset(prompt.get("stop_ids", ())))
+    ratios = [b.seconds / run.seconds for b, run in pairs]
+    base = [len(b.tokens) / b.seconds for b, _ in pairs]
+    runs = [run for _, run in pairs]
     passes = sum(r.stats.target_passes for r in runs)
     drafted = sum(r.stats.drafted for r in runs)
     return {"method": method, "params": params,

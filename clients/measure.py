@@ -85,29 +85,46 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
     return Run(out, seq.stats, seconds)
 
 
+def alternated(model: Micro, prompt: list[int], n_tokens: int, method: str,
+               params: dict | None = None, repeats: int = 5, model_name: str = "micro",
+               shared=None, heads: Path | None = None, registry: Registry | None = None,
+               sampling=None, stop_ids: frozenset[int] = frozenset()) -> list[tuple[Run, Run]]:
+    """``repeats`` pairs (none's run, the drafter's run), decoded in turn so drift on a
+    shared machine hits both, after an untimed warm-up of the drafter (what it compiles at
+    its first use); each pair checked to give the same tokens. ``sampling(r)``: repeat
+    r's sampling parameters (None: greedy; seeded sampling gives every drafter the same
+    text). Each drafter run starts with fresh per-request state and, by default, a fresh
+    server (``shared``: a function returning the server-wide drafter state each run
+    starts from); suffix decoding's store of responses is empty either way, so no run is
+    helped by an earlier identical response."""
+    reg = registry or Registry()
+    state = shared or dict
+    sp = sampling or (lambda r: None)
+    decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads, sp(0),
+           stop_ids)
+    pairs = []
+    for r in range(repeats):
+        b = decode(model, prompt, n_tokens, "none", None, reg, None, model_name, None, sp(r),
+                   stop_ids)
+        run = decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads,
+                     sp(r), stop_ids)
+        if run.tokens != b.tokens:
+            what = "greedy output" if sp(r) is None else f"text (seed {sp(r).seed})"
+            raise AssertionError(f"{method} changed the {what}")
+        pairs.append((b, run))
+    return pairs
+
+
 def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str,
                      params: dict | None = None, repeats: int = 5,
                      model_name: str = "micro", shared=None,
                      heads: Path | None = None) -> tuple[float, Run, float]:
     """(median of none's time / the drafter's time, the drafter's last run, none's median
-    seconds). Runs alternate none / drafter so drift on a shared machine hits both.
-    Each drafter run starts with fresh per-request state and, by default, a fresh server
-    (``shared``: a function returning the server-wide drafter state each run starts
-    from); suffix decoding's store of responses is empty either way, so no run is helped
-    by an earlier identical response."""
-    reg = Registry()
-    state = shared or dict
-    decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads)  # warm-up
-    base, ratios = [], []
-    run = None
-    for _ in range(repeats):
-        b = decode(model, prompt, n_tokens, "none", None, reg, model_name=model_name)
-        run = decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads)
-        if run.tokens != b.tokens:
-            raise AssertionError(f"{method} changed the greedy output")
-        base.append(b.seconds)
-        ratios.append(b.seconds / run.seconds)
-    return statistics.median(ratios), run, statistics.median(base)
+    seconds), greedy, over ``alternated`` runs."""
+    pairs = alternated(model, prompt, n_tokens, method, params, repeats, model_name, shared,
+                       heads)
+    return (statistics.median(b.seconds / run.seconds for b, run in pairs), pairs[-1][1],
+            statistics.median(b.seconds for b, _ in pairs))
 
 
 def warmed_server(model: Micro, prompt: list[int], n_tokens: int, method: str = "auto",

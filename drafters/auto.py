@@ -122,11 +122,11 @@ def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
     if got is not None:
         return got
     dtype = model.tok_embeddings.weight.dtype
-    # past the committed rows, and past the few rows compiled passes need
-    start = None if ctx is None else max(ctx.cache.lengths[ctx.slot], costs.CONTEXT)
-    if (ctx is not None and ctx.cache.k.dtype == dtype
-            and start + ROWS[-1] <= ctx.cache.max_len):
-        return costs.measure(model, ctx.cache, ctx.slot, start)
+    if ctx is not None and ctx.cache.k.dtype == dtype:
+        # past the committed rows, and past the few rows compiled passes need
+        start = max(ctx.cache.lengths[ctx.slot], costs.CONTEXT)
+        if start + ROWS[-1] <= ctx.cache.max_len:
+            return costs.measure(model, ctx.cache, ctx.slot, start)
     cache = KVCache(model.config, 1, max_len=min(model.config.max_positions,
                                                  costs.CONTEXT + ROWS[-1]), dtype=dtype)
     return costs.measure(model, cache, 0, costs.timing_start(cache.max_len))

@@ -12,8 +12,8 @@ the event loop), and starts the engine: by default a process of its own
 (``engine.client.MPClient``), which alone loads and runs the models -- ``nodraft serve``
 launches it before this module is even imported (``server.main``), and the lifespan takes
 it over; with ``--engine-process false`` a thread of this process. On a machine with two or
-more cores ``nodraft serve`` gives the engine process every core but the last and keeps the last for
-this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/CSS from
+more cores ``nodraft serve`` gives the engine process every core but the last and keeps the
+last for this one (``Settings.cores``). ``/`` serves the playground page (plain HTML/JS/CSS from
 ``server/static``, nothing from outside). Around the routes (``server.api``):
 
 - ``--api-key``: ``/v1/*`` needs ``Authorization: Bearer KEY`` (the scheme in any case;
