@@ -31,7 +31,7 @@ import time
 
 import httpx
 
-from clients.loadtest import LoadConfig, run_loadtest
+from nodraft.clients.loadtest import LoadConfig, run_loadtest
 
 
 def free_port() -> int:
@@ -45,7 +45,7 @@ def start_server(threads: int, max_running: int, compile: bool = True
     """The server, once it answers and its compiled passes are ready (their background
     compile would otherwise share the CPU with the first measurements)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
            "--threads", str(threads), "--max-running", str(max_running),
            "--compile", "true" if compile else "false"]
     # its log goes to a file: a pipe nobody reads would fill with access lines and block it

@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from clients.measure import default_prompts, encode_prompts, measured_speedup
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.clients.measure import default_prompts, encode_prompts, measured_speedup
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 
 GRID = ["3,1,4", "5,1,6", "6,1,7", "7,1,8", "8,1,9", "10,1,11", "3,3,8", "5,2,8", "6,2,10"]
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from clients.loadtest import PROMPTS
-from drafters.registry import Registry
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from engine.core import Engine, GenerationRequest
+from nodraft.clients.loadtest import PROMPTS
+from nodraft.drafters.registry import Registry
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.engine.core import Engine, GenerationRequest
 
 
 def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from drafters.suffix import SuffixDecoding
+    from nodraft.drafters.suffix import SuffixDecoding
     close = SuffixDecoding.close
     if args.no_response_store:
         SuffixDecoding.close = lambda self, ctx: None

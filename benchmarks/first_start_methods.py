@@ -43,7 +43,7 @@ METHODS = ("none", "prompt_lookup", "early_exit", "eagle", "auto")
 
 
 def start(port: int, env: dict, log, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+    return subprocess.Popen([sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
                              *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from clients.measure import default_prompts, encode_prompts, measured_speedup
-from micro.checkpoint import load_model, load_tokenizer
-from micro.model import KVCache, Micro
+from nodraft.clients.measure import default_prompts, encode_prompts, measured_speedup
+from nodraft.micro.checkpoint import load_model, load_tokenizer
+from nodraft.micro.model import KVCache, Micro
 
 SETTINGS = [  # (window, ngram, guesses, seed_from_prompt)
     (2, 5, 4, True), (1, 5, 4, True), (2, 4, 4, True), (2, 6, 4, True), (3, 5, 7, True),

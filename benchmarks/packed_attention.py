@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from micro.model import MicroConfig
+from nodraft.micro.model import MicroConfig
 
 
 def variants(q, ks, vs, ctxs):

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from micro.checkpoint import load_model
-from micro.model import KVCache
+from nodraft.micro.checkpoint import load_model
+from nodraft.micro.model import KVCache
 
 
 RUN = 20  # consecutive passes of one kind: interleaving every pass with 11 others evicts
@@ -36,7 +36,7 @@ RUN = 20  # consecutive passes of one kind: interleaving every pass with 11 othe
 
 
 def measure(model_name: str, rows: list[int], context: int, repeats: int) -> dict:
-    from micro import gemm
+    from nodraft.micro import gemm
 
     models = {"eager": load_model(model_name),
               "compiled": load_model(model_name).compile(gemm="torch")}

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from clients.measure import default_prompts, encode_prompts, measured_speedup
-from micro.checkpoint import load_model, load_tokenizer
+from nodraft.clients.measure import default_prompts, encode_prompts, measured_speedup
+from nodraft.micro.checkpoint import load_model, load_tokenizer
 
 
 def edited_copy(text: str) -> str:

@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from clients.measure import default_prompts
-from drafters.registry import DrafterEnv, Registry
-from engine.sequence import Sequence
-from engine.stats import SpecStats
-from engine.verify import SamplingParams
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from micro.corpus import split_documents
-from micro.model import KVCache
+from nodraft.clients.measure import default_prompts
+from nodraft.drafters.registry import DrafterEnv, Registry
+from nodraft.engine.sequence import Sequence
+from nodraft.engine.stats import SpecStats
+from nodraft.engine.verify import SamplingParams
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.corpus import split_documents
+from nodraft.micro.model import KVCache
 
 METHODS = [("none", {}), ("prompt_lookup", {}), ("suffix", {}),
            ("early_exit", {"exit_layer": 1}), ("early_exit", {"exit_layer": 2}),
@@ -107,7 +107,7 @@ def paired_exit_acceptance(model, prompts, tokens, sp_args: dict, exit_layer: in
     seeded rule's draft and target tokens are argmax q / E and argmax p / E over the same
     noise E, so it accepts with P(they agree), estimated over ``draws`` noise draws.
     Paired, so the figures differ only by the rule, not by which texts were sampled."""
-    from engine.verify import target_probs
+    from nodraft.engine.verify import target_probs
 
     gen = torch.Generator().manual_seed(seed)
     sp = SamplingParams(seed=None, **sp_args)

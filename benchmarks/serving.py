@@ -53,11 +53,11 @@ from pathlib import Path
 import httpx
 import torch
 
-from clients.loadtest import LoadConfig, run_loadtest
-from drafters.registry import Registry
-from engine.core import Engine, GenerationRequest
-from engine.verify import SamplingParams
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.clients.loadtest import LoadConfig, run_loadtest
+from nodraft.drafters.registry import Registry
+from nodraft.engine.core import Engine, GenerationRequest
+from nodraft.engine.verify import SamplingParams
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n"
 SHORT_PROMPT = "import os, sys"  # 4 tokens
@@ -96,7 +96,7 @@ def start_server(name: str, checkpoints: Path, compile: bool, max_running: int
                  ) -> tuple[subprocess.Popen, str, str]:
     process, threads = SERVERS[name]
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
            "--threads", str(threads), "--engine-process", str(process).lower(),
            "--max-running", str(max_running), "--checkpoints", str(checkpoints),
            "--compile", str(compile).lower(), "--log-level", "warning"]
@@ -213,7 +213,7 @@ def worker(kind: str, checkpoints: Path, compile: bool, cores: list[int], tmp: P
     else:
         from transformers import AutoModelForCausalLM
 
-        from micro.export import export
+        from nodraft.micro.export import export
 
         export(tmp / "hf", "micro", checkpoints)
         hf = AutoModelForCausalLM.from_pretrained(tmp / "hf").eval()

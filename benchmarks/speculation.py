@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from clients.measure import (decode, default_prompts, encode_prompts, measured_speedup,
+from nodraft.clients.measure import (decode, default_prompts, encode_prompts, measured_speedup,
                              warmed_server)
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 
 # (method, params, server): "fresh" -- every run on a fresh server, as for every drafter;
 # "warmed" -- on a server that has served one request on the other prompt, so auto starts
@@ -55,7 +55,7 @@ METHODS = [
 def hf_vs_none(prompt: list[int], n_tokens: int, repeats: int, compiled: bool = True) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from micro.export import export
+    from nodraft.micro.export import export
 
     model = load_model("micro").compile(compiled)
     with tempfile.TemporaryDirectory() as d:

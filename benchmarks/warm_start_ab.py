@@ -30,7 +30,7 @@ import httpx
 def warm_start(cwd: str, env: dict, port: int, timeout: float = 120) -> tuple[float, float]:
     client = httpx.Client(timeout=1)
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port)],
                             cwd=cwd, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     health = ready = None
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, "NODRAFT_COMPILE_CACHE": cache}
     dirs = {"old": args.old, "new": args.new}
     for name, cwd in dirs.items():  # untimed: the artifacts of each checkout
-        subprocess.run([sys.executable, "-m", "server.cli", "compile"], cwd=cwd, env=env,
+        subprocess.run([sys.executable, "-m", "nodraft.server.cli", "compile"], cwd=cwd, env=env,
                        check=True)
     out: dict[str, list] = {k: [] for k in dirs}
     for i in range(args.starts):

@@ -45,12 +45,12 @@ from pathlib import Path
 
 import torch
 
-from clients.measure import alternated
-from drafters.registry import Registry
-from engine.verify import SamplingParams
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from micro.corpus import split_documents
-from micro.tokenizer import Tokenizer
+from nodraft.clients.measure import alternated
+from nodraft.drafters.registry import Registry
+from nodraft.engine.verify import SamplingParams
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.corpus import split_documents
+from nodraft.micro.tokenizer import Tokenizer
 
 CATEGORIES = ("code", "edit", "rag", "chat", "long")
 REGIMES = {"greedy": SamplingParams(),
@@ -112,7 +112,7 @@ def _passages(n: int, chars: int = 1500) -> list[tuple[str, str]]:
 def build_prompts(tok: Tokenizer, per_category: int = 2) -> dict[str, list[dict]]:
     """category -> prompts: ``{"name", "ids", "stop_ids"}``; each category takes its own
     functions (no two categories share one)."""
-    from server.chat import render, stop_token_ids
+    from nodraft.server.chat import render, stop_token_ids
 
     funcs = held_out_functions()
     need = per_category * 4

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from drafters import costs
-from drafters.registry import DrafterEnv, Registry
-from micro.corpus import split_documents
-from micro.model import KVCache, Micro
-from micro.tokenizer import Tokenizer
-from engine.sequence import Sequence
-from engine.stats import SpecStats
-from engine.verify import SamplingParams
+from nodraft.drafters import costs
+from nodraft.drafters.registry import DrafterEnv, Registry
+from nodraft.micro.corpus import split_documents
+from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.tokenizer import Tokenizer
+from nodraft.engine.sequence import Sequence
+from nodraft.engine.stats import SpecStats
+from nodraft.engine.verify import SamplingParams
 
 FRESH_FROM = ("functools", "def total_ordering(cls):")
 REPEAT_FROM = ("functools", "def _lt_from_gt(self, other):")

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import httpx
 
-from clients.loadtest import server_root
+from nodraft.clients.loadtest import server_root
 
 PRIMARY = "micro"
 EXIT_LAYERS = (1, 2, 3)
@@ -132,7 +132,7 @@ class InProcess:
     def __init__(self, checkpoints: Path | None, threads: int | None, compile: bool = False):
         import torch
 
-        from micro.checkpoint import CHECKPOINT_DIR, available_models, load_tokenizer
+        from nodraft.micro.checkpoint import CHECKPOINT_DIR, available_models, load_tokenizer
 
         if threads:
             torch.set_num_threads(threads)
@@ -147,7 +147,7 @@ class InProcess:
         self._models: dict = {}
 
     def model(self, name: str):
-        from micro.checkpoint import load_model
+        from nodraft.micro.checkpoint import load_model
 
         if name not in self._models:
             self._models[name] = load_model(name, self.directory).compile(self.compile)
@@ -157,14 +157,14 @@ class InProcess:
         return list(self.names)
 
     def methods(self) -> list[str]:
-        from drafters.registry import Registry
+        from nodraft.drafters.registry import Registry
 
         return Registry().names()
 
     def measure(self, model: str, prompt: str, method: str, params: dict, tokens: int,
                 repeats: int) -> tuple[dict, float]:
-        from clients.measure import measured_speedup
-        from drafters.registry import DrafterEnv, Registry
+        from nodraft.clients.measure import measured_speedup
+        from nodraft.drafters.registry import DrafterEnv, Registry
 
         target = self.model(model)
         registry = Registry()
@@ -236,7 +236,7 @@ def _error_message(r: httpx.Response) -> str:
 # -- the run -------------------------------------------------------------------------------
 def load_prompts(path: str | None) -> dict[str, str]:
     if path is None:
-        from clients.measure import default_prompts
+        from nodraft.clients.measure import default_prompts
 
         return default_prompts()
     data = json.loads(Path(path).read_text())

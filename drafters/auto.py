@@ -56,12 +56,12 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv, Registry, SpeculationError
-from drafters.suffix import request_index
-from drafters import costs
-from drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
-from micro.model import KVCache
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv, Registry, SpeculationError
+from nodraft.drafters.suffix import request_index
+from nodraft.drafters import costs
+from nodraft.drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
+from nodraft.micro.model import KVCache
 
 CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")

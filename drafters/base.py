@@ -33,7 +33,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from micro.model import KVCache, Micro
+from nodraft.micro.model import KVCache, Micro
 
 
 @dataclass(frozen=True)

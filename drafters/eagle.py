@@ -170,10 +170,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv, SpeculationError
-from micro.compiled import MIN_CONTEXT, OPTIONS
-from micro.model import Block, Micro, MicroConfig, additive_mask, apply_rope
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv, SpeculationError
+from nodraft.micro.compiled import MIN_CONTEXT, OPTIONS
+from nodraft.micro.model import Block, Micro, MicroConfig, additive_mask, apply_rope
 
 
 def layer_macs(c: MicroConfig) -> int:
@@ -733,7 +733,7 @@ class CompiledDraft:
     ``Eagle.warm_up`` (the server's warm-up) and runs eager until then."""
 
     def __init__(self, loaded: "LoadedHead", compiled):
-        from micro import gemm
+        from nodraft.micro import gemm
 
         self.loaded, self.compiled = loaded, compiled  # compiled: the target's CompiledPasses
         self.mm = gemm.matmul(gemm.choose(compiled.gemm))
@@ -745,7 +745,7 @@ class CompiledDraft:
         self._inv_t: dict[tuple, Tensor] = {}  # 1 / temperature as a graph input, by value
         # graphs built ahead of time: saved beside the target's (an artifact build) and
         # loaded from there, in a folder of this head's own
-        from micro.compiled import Precompiled
+        from nodraft.micro.compiled import Precompiled
 
         self.precompiled = Precompiled("EAGLE draft step")
         self.folder = f"eagle-{Path(loaded.path).stem}"
@@ -767,7 +767,7 @@ class CompiledDraft:
                                                      self.compiled.between_loads))
 
     def _core(self, depth: int, top_k: int, keep: int):
-        from micro.compiled import named_code
+        from nodraft.micro.compiled import named_code
 
         return named_code(_make_draft_core(self.loaded, self.wt, self.mm, depth, top_k, keep),
                           f"eagle_draft_{depth}_{top_k}_{keep}")
@@ -851,7 +851,7 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
                      keep: int):
     """The draft step's function: ``Eagle.propose``'s catch-up, tree and rerank, with the
     same arithmetic (tests compare the two)."""
-    from micro.compiled import attend_layer, layer_weights
+    from nodraft.micro.compiled import attend_layer, layer_weights
 
     model = L.model
     norm = model.norm
@@ -964,7 +964,7 @@ def time_draft_step(model: Micro, head_state: dict[str, Tensor], prompt: list[in
     import statistics
     import tempfile
 
-    from micro.model import KVCache
+    from nodraft.micro.model import KVCache
 
     V = model.config.vocab_size
     trained = head_state["draft_vocab"]

@@ -64,12 +64,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafters.eagle import (GREEDY_PROMPT, EagleHead, Eagle, evaluate_head, greedy_continue,
+from nodraft.drafters.eagle import (GREEDY_PROMPT, EagleHead, Eagle, evaluate_head, greedy_continue,
                             greedy_rows, load_head_state, save_head, target_features,
                             time_draft_step, unroll)
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from micro.data import RowSampler, token_stream
-from micro.train import lr_at
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.data import RowSampler, token_stream
+from nodraft.micro.train import lr_at
 
 
 def draft_vocabulary(stream: np.ndarray, n: int, vocab_size: int) -> torch.Tensor:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv
-from micro.model import MicroConfig
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv
+from nodraft.micro.model import MicroConfig
 
 
 def layer_macs(c: MicroConfig) -> int:

@@ -16,13 +16,13 @@ import argparse
 import json
 from pathlib import Path
 
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from micro.data import token_stream
-from micro.eval import VARIANTS, evaluate, render
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.data import token_stream
+from nodraft.micro.eval import VARIANTS, evaluate, render
 
 
 def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None = None) -> dict:
-    from drafters import eagle, medusa
+    from nodraft.drafters import eagle, medusa
 
     local = directory / "tokenizer.json"
     tok = load_tokenizer(local if local.exists() else None)

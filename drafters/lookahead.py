@@ -112,8 +112,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv
 
 ROW_COST = 0.05  # one more row in a target pass, in 1-token passes (micro, CPU, measured)
 

@@ -81,10 +81,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from drafters.base import Draft, DraftContext
-from drafters.early_exit import layer_macs
-from drafters.registry import DrafterEnv, SpeculationError
-from micro.model import Micro, MicroConfig
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.early_exit import layer_macs
+from nodraft.drafters.registry import DrafterEnv, SpeculationError
+from nodraft.micro.model import Micro, MicroConfig
 
 SUFFIX = "medusa"
 

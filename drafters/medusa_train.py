@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from drafters.medusa import MedusaHeads, evaluate_heads, save_heads, weights_path
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from micro.data import RowSampler, token_stream
-from micro.train import lr_at
+from nodraft.drafters.medusa import MedusaHeads, evaluate_heads, save_heads, weights_path
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.data import RowSampler, token_stream
+from nodraft.micro.train import lr_at
 
 
 def train(args: argparse.Namespace, command: str) -> dict:

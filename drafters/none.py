@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv
 
 
 class NoDraft:

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv
-from drafters.suffix import request_index
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv
+from nodraft.drafters.suffix import request_index
 
 
 class PromptLookup:

@@ -17,18 +17,18 @@ from typing import Any, get_type_hints
 
 from pathlib import Path
 
-from micro.checkpoint import CHECKPOINT_DIR
-from micro.model import Micro
+from nodraft.micro.checkpoint import CHECKPOINT_DIR
+from nodraft.micro.model import Micro
 
 BUILTIN = {
-    "none": "drafters.none:NoDraft",
-    "prompt_lookup": "drafters.prompt_lookup:PromptLookup",
-    "early_exit": "drafters.early_exit:EarlyExit",
-    "suffix": "drafters.suffix:SuffixDecoding",
-    "lookahead": "drafters.lookahead:Lookahead",
-    "medusa": "drafters.medusa:Medusa",
-    "eagle": "drafters.eagle:Eagle",
-    "auto": "drafters.auto:Auto",
+    "none": "nodraft.drafters.none:NoDraft",
+    "prompt_lookup": "nodraft.drafters.prompt_lookup:PromptLookup",
+    "early_exit": "nodraft.drafters.early_exit:EarlyExit",
+    "suffix": "nodraft.drafters.suffix:SuffixDecoding",
+    "lookahead": "nodraft.drafters.lookahead:Lookahead",
+    "medusa": "nodraft.drafters.medusa:Medusa",
+    "eagle": "nodraft.drafters.eagle:Eagle",
+    "auto": "nodraft.drafters.auto:Auto",
 }
 ALIASES = {"ngram": "prompt_lookup"}
 

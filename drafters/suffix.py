@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv
 
 
 def grow_tree(root, max_nodes: int, min_prob: float, children

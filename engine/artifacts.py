@@ -145,7 +145,7 @@ def key_parts(config) -> dict:
     """What the key hashes, readable (``manifest.json`` keeps it)."""
     import torch
 
-    from micro import gemm
+    from nodraft.micro import gemm
 
     directory = Path(config.checkpoints)
     return {
@@ -257,8 +257,8 @@ class Store:
         the families it grants (a worker of ``_compile_by``)."""
         import torch
 
-        from engine.process import build_engine
-        from micro.compiled import Precompiled
+        from nodraft.engine.process import build_engine
+        from nodraft.micro.compiled import Precompiled
 
         torch.set_num_threads(1)  # the graphs are generated for one thread (Engine.warm_up)
         Precompiled.claim = claim
@@ -298,7 +298,7 @@ class Store:
 
     def _build_argv(self, *extra: str) -> list[str]:
         """A build process for this store's configuration, dying with this process."""
-        return [sys.executable, "-m", "engine.artifacts", "build",
+        return [sys.executable, "-m", "nodraft.engine.artifacts", "build",
                 "--checkpoints", str(self.config.checkpoints),
                 "--max-running", str(self.config.max_running), "--gemm", self.config.gemm,
                 "--compile-cache", str(self.home), "--parent-pid", str(os.getpid()), *extra]
@@ -362,7 +362,7 @@ def claimer(folder: Path):
 def _as_a_background_build(parent_pid: int) -> None:
     """The server's builder: the lowest priority, every core (not the engine's affinity),
     and death with the engine that started it (``PR_SET_PDEATHSIG``; gone already: exit)."""
-    from engine.launch import die_with_parent
+    from nodraft.engine.launch import die_with_parent
 
     die_with_parent(parent_pid)
     os.nice(19)
@@ -389,8 +389,8 @@ def load(engine, folder: Path) -> int:
 
 # -- nodraft compile -----------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> None:
-    from micro.checkpoint import CHECKPOINT_DIR
-    from engine.launch import EngineConfig
+    from nodraft.micro.checkpoint import CHECKPOINT_DIR
+    from nodraft.engine.launch import EngineConfig
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["build"]:  # the server's builder: the same, quieter

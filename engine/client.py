@@ -34,10 +34,10 @@ from typing import Callable, Protocol
 import zmq
 import zmq.asyncio
 
-from engine import messages
-from engine.core import EngineDead, EngineStopped, Event, GenerationRequest, QueueFull
-from engine.launch import EngineConfig, Launched, launch
-from engine.process import build_engine, compiled_status, start_warm_up
+from nodraft.engine import messages
+from nodraft.engine.core import EngineDead, EngineStopped, Event, GenerationRequest, QueueFull
+from nodraft.engine.launch import EngineConfig, Launched, launch
+from nodraft.engine.process import build_engine, compiled_status, start_warm_up
 
 START_TIMEOUT = 600.0  # s: loading the checkpoints in the engine process
 STOP_TIMEOUT = 10.0  # s: for the engine process to exit once told to

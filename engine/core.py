@@ -44,14 +44,14 @@ from typing import Any, Callable
 
 import torch
 
-from drafters import costs
-from drafters.base import Draft
-from drafters.registry import DrafterEnv, Registry
-from micro.model import KVCache, Micro, Segment, forward_packed
-from engine.scheduler import DraftScheduler, SeqDraftState
-from engine.sequence import Sequence, StepResult
-from engine.stats import SpecStats
-from engine.verify import SamplingParams
+from nodraft.drafters import costs
+from nodraft.drafters.base import Draft
+from nodraft.drafters.registry import DrafterEnv, Registry
+from nodraft.micro.model import KVCache, Micro, Segment, forward_packed
+from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
+from nodraft.engine.sequence import Sequence, StepResult
+from nodraft.engine.stats import SpecStats
+from nodraft.engine.verify import SamplingParams
 
 log = logging.getLogger("nodraft.engine")
 

@@ -128,10 +128,10 @@ def engine_main(config: EngineConfig, input_address: str, output_address: str,
     if config.cores:
         os.sched_setaffinity(0, config.cores)
     if config.compile:  # before torch's imports, which settle inductor's cache folder
-        from engine.artifacts import cache_home, use_inductor_cache
+        from nodraft.engine.artifacts import cache_home, use_inductor_cache
 
         use_inductor_cache(cache_home(config.compile_cache))
-    from engine.process import run_engine_process
+    from nodraft.engine.process import run_engine_process
 
     run_engine_process(config, input_address, output_address, parent_pid)
 

@@ -18,8 +18,8 @@ import dataclasses
 
 import msgspec
 
-from engine.core import Event, GenerationRequest
-from engine.verify import SamplingParams
+from nodraft.engine.core import Event, GenerationRequest
+from nodraft.engine.verify import SamplingParams
 
 
 class Request(msgspec.Struct, array_like=True):

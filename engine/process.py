@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import zmq
 
-from drafters.registry import Registry
-from engine import messages
-from engine.core import Engine, Event, GenerationRequest, Handle
-from engine.launch import EngineConfig
+from nodraft.drafters.registry import Registry
+from nodraft.engine import messages
+from nodraft.engine.core import Engine, Event, GenerationRequest, Handle
+from nodraft.engine.launch import EngineConfig
 
 log = logging.getLogger("nodraft.engine")
 
@@ -43,7 +43,7 @@ IDLE_POLL_MS = 100  # an idle engine looks at its parent and its compile status 
 def build_engine(config: EngineConfig) -> Engine:
     """Load the checkpoints into an engine (not started); compiled passes are set up, and
     built later by ``Engine.warm_up``."""
-    from micro.checkpoint import available_models, load_model, load_tokenizer
+    from nodraft.micro.checkpoint import available_models, load_model, load_tokenizer
 
     directory = Path(config.checkpoints)
     names = available_models(directory)
@@ -79,7 +79,7 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
     ready and with what, or why not."""
     if not config.compile:
         return
-    from engine import artifacts
+    from nodraft.engine import artifacts
 
     artifacts.use_inductor_cache(artifacts.cache_home(config.compile_cache))
     store = artifacts.Store(config, config.compile_cache)

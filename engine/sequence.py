@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafters.base import Draft, DraftContext, Drafter, close_drafter
-from micro.model import KVCache, Micro, Segment
-from engine.stats import SpecStats
-from engine.sampling import PositionNoise, derive_seed
-from engine.verify import SamplingParams, accept, target_probs
+from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter
+from nodraft.micro.model import KVCache, Micro, Segment
+from nodraft.engine.stats import SpecStats
+from nodraft.engine.sampling import PositionNoise, derive_seed
+from nodraft.engine.verify import SamplingParams, accept, target_probs
 
 PREFILL_CHUNK = 256
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafters.base import Draft
-from engine.sampling import PositionNoise
+from nodraft.drafters.base import Draft
+from nodraft.engine.sampling import PositionNoise
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (logits / 1e-300 overflow)

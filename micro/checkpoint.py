@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from micro import CHECKPOINT_DIR  # re-exported: where the committed artefacts live
-from micro.model import Micro, MicroConfig
-from micro.tokenizer import Tokenizer
+from nodraft.micro import CHECKPOINT_DIR  # re-exported: where the committed artefacts live
+from nodraft.micro.model import Micro, MicroConfig
+from nodraft.micro.tokenizer import Tokenizer
 
 MODEL_NAMES = ("micro", "micro-layerskip")
 

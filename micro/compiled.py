@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from micro import gemm
-from micro.model import additive_mask, apply_rope
+from nodraft.micro import gemm
+from nodraft.micro.model import additive_mask, apply_rope
 
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from micro.corpus import split_documents
-from micro.tokenizer import Tokenizer
+from nodraft.micro.corpus import split_documents
+from nodraft.micro.tokenizer import Tokenizer
 
 
 def cache_dir() -> Path:

@@ -35,12 +35,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from micro.checkpoint import CHECKPOINT_DIR, available_models, load_model, load_tokenizer
-from micro.corpus import compare_manifest, split_text
-from micro.data import token_stream
-from micro.model import KVCache, Micro
-from micro.tokenizer import Tokenizer
-from micro.variants import VARIANTS, make_variant
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, available_models, load_model, load_tokenizer
+from nodraft.micro.corpus import compare_manifest, split_text
+from nodraft.micro.data import token_stream
+from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.tokenizer import Tokenizer
+from nodraft.micro.variants import VARIANTS, make_variant
 
 COPY_LEN = 64
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
-from micro.model import Micro
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
+from nodraft.micro.model import Micro
 
 
 def hf_state_dict(model: Micro) -> dict:

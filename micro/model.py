@@ -208,7 +208,7 @@ class Micro(nn.Module):
         product, 'auto' (nodraft's kernel where it loads) or 'torch' (micro/gemm.py;
         default ``NODRAFT_GEMM``, else 'auto'). Graphs built ahead of time load with
         ``self.compiled.load`` (engine/artifacts.py)."""
-        from micro.compiled import CompiledPasses
+        from nodraft.micro.compiled import CompiledPasses
 
         self.compiled = CompiledPasses(self, lazy, gemm) if enabled else None
         return self

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from micro.checkpoint import CHECKPOINT_DIR, load_tokenizer, save_model, tokenizer_path
-from micro.corpus import split_documents, write_manifest
-from micro.data import RowSampler, token_stream
-from micro.eval import copy_eval, evaluate_loss
-from micro.model import Micro, MicroConfig
-from micro.tokenizer import train_tokenizer
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_tokenizer, save_model, tokenizer_path
+from nodraft.micro.corpus import split_documents, write_manifest
+from nodraft.micro.data import RowSampler, token_stream
+from nodraft.micro.eval import copy_eval, evaluate_loss
+from nodraft.micro.model import Micro, MicroConfig
+from nodraft.micro.tokenizer import train_tokenizer
 
 
 def layer_drop_probs(n_layers: int, p_max: float) -> list[float]:
@@ -70,7 +70,7 @@ def train(args: argparse.Namespace, command: str = "nodraft train micro",
     train_ids, val_ids = token_stream(tok, "train"), token_stream(tok, "validation")
     parent = None
     if args.init:  # continue training a checkpoint: its weights and its config
-        from micro.checkpoint import load_model, load_record
+        from nodraft.micro.checkpoint import load_model, load_record
 
         init = Path(args.init)  # a committed checkpoint's name, or a .safetensors path
         where, stem = (init.parent, init.stem) if init.suffix == ".safetensors" else (CHECKPOINT_DIR, args.init)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from micro.checkpoint import tokenizer_path
-from micro.corpus import split_documents
-from micro.tokenizer import VOCAB_SIZE, train_tokenizer
+from nodraft.micro.checkpoint import tokenizer_path
+from nodraft.micro.corpus import split_documents
+from nodraft.micro.tokenizer import VOCAB_SIZE, train_tokenizer
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import copy
 
 import torch
 
-from micro.model import Micro
+from nodraft.micro.model import Micro
 
 VARIANTS = ("fp32", "int8", "pruned30", "pruned50", "2:4")
 

@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from engine.core import Event, GenerationRequest
-from server.errors import APIError
+from nodraft.engine.core import Event, GenerationRequest
+from nodraft.server.errors import APIError
 
 WINDOW_SECONDS = 30.0
 MAX_RETRY_AFTER = 60

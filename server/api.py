@@ -48,16 +48,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from drafters.registry import DrafterEnv
-from server import chat
-from engine.core import EngineStopped, GenerationRequest, QueueFull
-from server.errors import APIError, error_body
-from server.generation import Delta, GenerationFailed, Run
-from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+from nodraft.drafters.registry import DrafterEnv
+from nodraft.server import chat
+from nodraft.engine.core import EngineStopped, GenerationRequest, QueueFull
+from nodraft.server.errors import APIError, error_body
+from nodraft.server.generation import Delta, GenerationFailed, Run
+from nodraft.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                              CompletionResponse, ErrorResponse, ModelCard, ModelList)
-from engine.sampling import derive_seed
-from engine.verify import SamplingParams
-from micro.tokenizer import Tokenizer
+from nodraft.engine.sampling import derive_seed
+from nodraft.engine.verify import SamplingParams
+from nodraft.micro.tokenizer import Tokenizer
 
 ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
 DISCONNECT_POLL_SECONDS = 0.25

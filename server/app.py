@@ -66,17 +66,17 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from drafters.registry import Registry, SpeculationError
-from engine.client import EngineClient, EventPump, InprocClient, MPClient
-from engine.core import EngineStopped, QueueFull
-from engine.launch import Launched
-from micro.checkpoint import available_models, load_config, load_tokenizer
-from micro.model import MicroConfig
-from server.admission import Admission, Observers
-from server.api import router
-from server.errors import APIError, error_body, error_response, handle_exception
-from server.metrics import Metrics
-from server.settings import Settings
+from nodraft.drafters.registry import Registry, SpeculationError
+from nodraft.engine.client import EngineClient, EventPump, InprocClient, MPClient
+from nodraft.engine.core import EngineStopped, QueueFull
+from nodraft.engine.launch import Launched
+from nodraft.micro.checkpoint import available_models, load_config, load_tokenizer
+from nodraft.micro.model import MicroConfig
+from nodraft.server.admission import Admission, Observers
+from nodraft.server.api import router
+from nodraft.server.errors import APIError, error_body, error_response, handle_exception
+from nodraft.server.metrics import Metrics
+from nodraft.server.settings import Settings
 
 log = logging.getLogger("nodraft.server")
 
@@ -490,7 +490,7 @@ def serve(settings: Settings, registry: Registry | None = None,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from server.main import main as serve_main
+    from nodraft.server.main import main as serve_main
 
     serve_main(argv)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from micro.tokenizer import Tokenizer
+from nodraft.micro.tokenizer import Tokenizer
 
 ROLE_MARKERS = {
     "system": "<|system|>",

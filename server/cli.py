@@ -19,19 +19,19 @@ import sys
 from importlib import import_module
 
 COMMANDS = {
-    "serve": ("server.main", "main", "run the OpenAI-compatible server"),
-    "eval": ("drafters.evaluation", "main", "held-out loss of every checkpoint and variant, and of trained drafters"),
-    "compile": ("engine.artifacts", "main", "build the compiled passes for this machine ahead of time"),
-    "workshop": ("clients.workshop", "main", "the course's table, measured"),
-    "bench": ("clients.bench", "main", "the workload suite: every drafter, greedy and sampled, by category"),
-    "export-hf": ("micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
-    "loadtest": ("clients.loadtest", "main", "load-test a running server"),
+    "serve": ("nodraft.server.main", "main", "run the OpenAI-compatible server"),
+    "eval": ("nodraft.drafters.evaluation", "main", "held-out loss of every checkpoint and variant, and of trained drafters"),
+    "compile": ("nodraft.engine.artifacts", "main", "build the compiled passes for this machine ahead of time"),
+    "workshop": ("nodraft.clients.workshop", "main", "the course's table, measured"),
+    "bench": ("nodraft.clients.bench", "main", "the workload suite: every drafter, greedy and sampled, by category"),
+    "export-hf": ("nodraft.micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
+    "loadtest": ("nodraft.clients.loadtest", "main", "load-test a running server"),
 }
 TRAIN = {
-    "tokenizer": ("micro.train_tokenizer", "main", "the byte-level BPE on the train split"),
-    "micro": ("micro.train", "main", "micro or micro-layerskip (--layerskip)"),
-    "medusa": ("drafters.medusa_train", "main", "Medusa heads for a checkpoint"),
-    "eagle": ("drafters.eagle_train", "main", "the EAGLE head for a checkpoint"),
+    "tokenizer": ("nodraft.micro.train_tokenizer", "main", "the byte-level BPE on the train split"),
+    "micro": ("nodraft.micro.train", "main", "micro or micro-layerskip (--layerskip)"),
+    "medusa": ("nodraft.drafters.medusa_train", "main", "Medusa heads for a checkpoint"),
+    "eagle": ("nodraft.drafters.eagle_train", "main", "the EAGLE head for a checkpoint"),
 }
 
 

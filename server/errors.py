@@ -29,9 +29,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from drafters.registry import SpeculationError
-from engine.core import EngineDead, EngineStopped, QueueFull
-from server.protocol import UNSUPPORTED
+from nodraft.drafters.registry import SpeculationError
+from nodraft.engine.core import EngineDead, EngineStopped, QueueFull
+from nodraft.server.protocol import UNSUPPORTED
 
 log = logging.getLogger("nodraft.server")
 

@@ -32,10 +32,10 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.client import EngineClient
-from engine.core import Event, GenerationRequest
-from engine.stats import SpecStats
-from micro.tokenizer import Tokenizer
+from nodraft.engine.client import EngineClient
+from nodraft.engine.core import Event, GenerationRequest
+from nodraft.engine.stats import SpecStats
+from nodraft.micro.tokenizer import Tokenizer
 
 
 class GenerationFailed(RuntimeError):

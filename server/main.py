@@ -18,7 +18,7 @@ import sys
 
 from pydantic import ValidationError
 
-from server.settings import Settings
+from nodraft.server.settings import Settings
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit)
     try:
         if settings.engine_process:
-            from engine.launch import launch
+            from nodraft.engine.launch import launch
 
             # a signal now would come between the launch and the name that frees it
             stops = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, stops)  # delivered here, if sent
         if api_cores:  # the engine process has cores of its own; the event loop keeps this
             os.sched_setaffinity(0, api_cores)
-        from server.app import serve
+        from nodraft.server.app import serve
 
         serve(settings, launched=launched)
     finally:

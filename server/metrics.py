@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, ProcessCollector, generate_latest)
 
-from engine.core import Event, GenerationRequest
-from engine.stats import SpecStats
+from nodraft.engine.core import Event, GenerationRequest
+from nodraft.engine.stats import SpecStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)

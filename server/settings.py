@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.launch import EngineConfig
-from micro import CHECKPOINT_DIR
+from nodraft.engine.launch import EngineConfig
+from nodraft.micro import CHECKPOINT_DIR
 
 
 class Settings(BaseSettings):

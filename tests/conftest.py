@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models
-from micro.model import Micro, MicroConfig
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models
+from nodraft.micro.model import Micro, MicroConfig
 
 # Servers started by the tests run eager unless a test asks for compiled passes: their
 # background compile would cost every test server ~20-40 s of CPU on this 2-core machine.

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from clients import bench
-from micro.checkpoint import load_tokenizer
+from nodraft.clients import bench
+from nodraft.micro.checkpoint import load_tokenizer
 
 
 def test_loop_share_counts_tokens_that_complete_a_seen_ngram():
@@ -32,7 +32,7 @@ def test_every_category_has_its_own_held_out_prompts():
     chat = prompts["chat"][0]
     assert tok.decode(chat["ids"]).endswith("<|assistant|>") and chat["stop_ids"]
     # held out: every prompt comes from a module of the held-out split, none of the train's
-    from micro.corpus import split_documents
+    from nodraft.micro.corpus import split_documents
     units = {p["name"].split(" ")[0] if c == "long" else p["name"].rsplit(".", 1)[0]
              for c, ps in prompts.items() for p in ps}
     held_out = {d.unit for d in split_documents("heldout")}

@@ -3,7 +3,7 @@
 import json
 
 from benchmarks import engine_load
-from drafters.suffix import SuffixDecoding
+from nodraft.drafters.suffix import SuffixDecoding
 
 
 def test_engine_load_reports_each_concurrency_and_method(tmp_path, capsys):

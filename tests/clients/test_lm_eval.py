@@ -11,10 +11,10 @@ import os
 
 import pytest
 
-from micro.checkpoint import load_model, load_tokenizer
-from micro.corpus import split_documents
-from micro.eval import evaluate_loss
-from micro.export import export
+from nodraft.micro.checkpoint import load_model, load_tokenizer
+from nodraft.micro.corpus import split_documents
+from nodraft.micro.eval import evaluate_loss
+from nodraft.micro.export import export
 
 
 

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from clients import loadtest
-from clients.loadtest import LoadConfig, percentiles, run_loadtest, speculation
+from nodraft.clients import loadtest
+from nodraft.clients.loadtest import LoadConfig, percentiles, run_loadtest, speculation
 
 
 def ordered(p: dict) -> None:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from clients import workshop
-from clients.workshop import KEYS, Unavailable
+from nodraft.clients import workshop
+from nodraft.clients.workshop import KEYS, Unavailable
 
 BUILTIN_ROWS = {("micro", "none", None), ("micro", "prompt_lookup", None),
                 ("micro", "suffix", None)} | {

@@ -36,14 +36,14 @@ def processes(tmp_path_factory):
 def serving_checkpoints(tmp_path_factory) -> Path:
     """micro/checkpoints when both trained models are there; otherwise a throwaway pair
     trained for 3 steps (the server and the dashboard need checkpoints, not good ones)."""
-    from micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES
+    from nodraft.micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES
 
     if all((CHECKPOINT_DIR / f"{m}.safetensors").exists() for m in MODEL_NAMES):
         return CHECKPOINT_DIR
     out, runs = tmp_path_factory.mktemp("checkpoints"), tmp_path_factory.mktemp("runs")
     trainings = []  # both at once, one thread each: loading the corpus is most of the time
     for extra in ([], ["--layerskip"]):
-        argv = [sys.executable, "-m", "micro.train", "--steps", "3", "--no-compile",
+        argv = [sys.executable, "-m", "nodraft.micro.train", "--steps", "3", "--no-compile",
                 "--batch-size", "2", "--seq-len", "64", "--threads", "1",
                 "--checkpoints", str(out), "--out", str(runs), *extra]
         trainings.append((argv, subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,

@@ -68,7 +68,7 @@ def test_promtool_check_config(tool, config):
 def test_the_local_config_scrapes_a_default_nodraft_serve():
     """deploy/prometheus/local.yml: what `nodraft serve` listens on by default, the bundled
     rules, and the compose config's intervals."""
-    from server.settings import Settings
+    from nodraft.server.settings import Settings
 
     local, bundled = (yaml.safe_load(p.read_text()) for p in (LOCAL_YML, PROMETHEUS_YML))
     jobs = {j["job_name"]: j for j in local["scrape_configs"]}
@@ -421,18 +421,18 @@ def test_prometheus_and_nginx_find_the_nodraft_replicas():
 
 
 def test_loadgen_methods_are_registered_drafters():
-    registry = pytest.importorskip("drafters.registry")
+    registry = pytest.importorskip("nodraft.drafters.registry")
     command = compose()["services"]["loadgen"]["command"]
     methods = [m.split(":")[0] for m in command[command.index("--methods") + 1].split(",")]
     assert len(methods) >= 3
     assert set(methods) <= set(registry.BUILTIN)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("clients.loadtest") is None,
+@pytest.mark.skipif(importlib.util.find_spec("nodraft.clients.loadtest") is None,
                     reason="clients/loadtest.py (the load-test client) does not exist yet")
 def test_loadgen_flags_are_the_load_test_clients():
     command = compose()["services"]["loadgen"]["command"]
-    done = run([sys.executable, "-m", "server.cli", *command[1:2], "--help"])
+    done = run([sys.executable, "-m", "nodraft.server.cli", *command[1:2], "--help"])
     assert done.returncode == 0, done.stdout + done.stderr
     for flag in (a for a in command if a.startswith("--")):
         assert re.search(rf"{flag}\b", done.stdout), f"`nodraft loadtest` has no {flag}"
@@ -501,8 +501,9 @@ def test_yamllint():
 def test_dockerfile_copies_every_package_the_project_installs():
     import tomllib
 
-    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    packages = {p.rstrip("*") for p in find["packages"]["find"]["include"]}
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(setuptools["package-dir"].values())  # the folders the packages install from
+    assert set(setuptools["package-dir"]) == set(setuptools["packages"])
     copied = {source.rstrip("/") for line in DOCKERFILE.read_text().splitlines()
               if line.startswith("COPY") and "--from" not in line
               for source in line.split()[1:-1]}

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.deploy.stack import (DASHBOARD, RULES_YML, free_port, nginx_argv, nginx_config,
                                 prometheus_config)
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("server.app") is None,
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("nodraft.server.app") is None,
                                 reason="server/app.py (the nodraft server) does not exist yet")
 
 MODELS = ("micro", "micro-layerskip")
@@ -109,7 +109,7 @@ def stack(tool, processes, serving_checkpoints, tmp_path_factory) -> Stack:
     replicas = [f"http://127.0.0.1:{p}" for p in ports]
     for i, port in enumerate(ports):
         processes.start(f"nodraft-{i}",
-                        [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
+                        [sys.executable, "-m", "nodraft.server.cli", "serve", "--host", "127.0.0.1",
                          "--port", str(port), "--checkpoints", str(serving_checkpoints),
                          "--threads", "1", "--log-level", "warning"])
 
@@ -146,10 +146,10 @@ def stack(tool, processes, serving_checkpoints, tmp_path_factory) -> Stack:
              >= everything, 30, "Prometheus to scrape every (model, method) series")
     stack.served_before = [requests_served(b) for b in replicas]
     send_mix(stack.nginx)
-    if importlib.util.find_spec("clients.loadtest") is not None:
+    if importlib.util.find_spec("nodraft.clients.loadtest") is not None:
         # the load-test client, as the compose `loadgen` service runs it
         status = processes.run_to_end(
-            "loadtest", [sys.executable, "-m", "server.cli", "loadtest", "--url", stack.nginx,
+            "loadtest", [sys.executable, "-m", "nodraft.server.cli", "loadtest", "--url", stack.nginx,
                          "--model", "micro-layerskip", "--concurrency", "2", "--requests", "8",
                          "--max-tokens", "16", "--methods", LOADTEST_METHODS, "--quiet",
                          "--json"], timeout=120)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from drafters.registry import DrafterEnv, Registry
-from micro.model import KVCache, Micro
-from engine.sequence import Sequence
-from engine.verify import SamplingParams
+from nodraft.drafters.registry import DrafterEnv, Registry
+from nodraft.micro.model import KVCache, Micro
+from nodraft.engine.sequence import Sequence
+from nodraft.engine.verify import SamplingParams
 
 REGISTRY = Registry()
 
@@ -36,8 +36,8 @@ METHOD_PARAMS: dict[str, list[dict]] = {
 # (random, non-zero) weights for a model: ``fn(model, model_name, directory)``. The tiny
 # test models get those, so the generic tests exercise real drafting with real trees; the
 # committed checkpoints use their committed weights.
-TRAINED: dict[str, str] = {"medusa": "drafters.medusa:write_untrained"}
-TRAINED["eagle"] = "drafters.eagle:write_untrained"
+TRAINED: dict[str, str] = {"medusa": "nodraft.drafters.medusa:write_untrained"}
+TRAINED["eagle"] = "nodraft.drafters.eagle:write_untrained"
 HEADS_DIR = Path(tempfile.mkdtemp(prefix="nodraft-test-heads-"))
 
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import artifacts
-from engine.launch import EngineConfig
-from micro.model import KVCache, MicroConfig
+from nodraft.engine import artifacts
+from nodraft.engine.launch import EngineConfig
+from nodraft.micro.model import KVCache, MicroConfig
 from tests.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ LOAD = textwrap.dedent("""
     import json, sys
     import torch
     from torch._dynamo.utils import counters
-    from micro.model import KVCache
+    from nodraft.micro.model import KVCache
     from tests.conftest import tiny_model
     from tests.engine.test_artifacts import SMALL, passes
     torch.set_num_threads(1)
@@ -174,8 +174,8 @@ def test_a_failed_worker_fails_the_build(tmp_path, monkeypatch):
 
 
 def test_a_failed_build_leaves_the_engine_serving_eager():
-    from drafters.registry import Registry
-    from engine.core import Engine, GenerationRequest
+    from nodraft.drafters.registry import Registry
+    from nodraft.engine.core import Engine, GenerationRequest
     from tests.engine.helpers import run_all
 
     model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")

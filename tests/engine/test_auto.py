@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from drafters.auto import MAX_ALPHA, Auto, _Estimate
-from drafters.registry import Registry, SpeculationError
+from nodraft.drafters.auto import MAX_ALPHA, Auto, _Estimate
+from nodraft.drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
 from tests.engine.helpers import generate, drafter_env
 
@@ -88,8 +88,8 @@ def test_acceptance_learned_by_one_request_informs_the_next():
 
 
 def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitted():
-    from drafters.base import DraftContext
-    from micro.model import KVCache
+    from nodraft.drafters.base import DraftContext
+    from nodraft.micro.model import KVCache
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
     auto = Auto(p, drafter_env(MODEL))
@@ -127,7 +127,7 @@ def test_an_estimate_not_updated_drifts_back_to_the_servers_figure():
 
 
 def test_auto_trims_a_chain_where_one_more_token_stops_paying():
-    from drafters.auto import PassCost
+    from nodraft.drafters.auto import PassCost
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL))
@@ -140,7 +140,7 @@ def test_auto_trims_a_chain_where_one_more_token_stops_paying():
 
 
 def test_pass_cost_interpolates_its_measured_table():
-    from drafters.auto import PassCost
+    from nodraft.drafters.auto import PassCost
 
     cost = PassCost({1: 1.0, 2: 3.0, 5: 6.0})
     assert [cost(r) for r in (1, 2, 4, 5)] == pytest.approx([1.0, 3.0, 5.0, 6.0])
@@ -148,9 +148,9 @@ def test_pass_cost_interpolates_its_measured_table():
 
 
 def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
-    from drafters.auto import ROWS, _COSTS, pass_cost
-    from drafters.base import DraftContext
-    from micro.model import KVCache
+    from nodraft.drafters.auto import ROWS, _COSTS, pass_cost
+    from nodraft.drafters.base import DraftContext
+    from nodraft.micro.model import KVCache
 
     model = tiny_model(seed=3)  # a fresh model object: nothing measured for it yet
     cache = KVCache(model.config, 2, dtype=torch.float64)

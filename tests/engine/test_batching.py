@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from drafters.registry import Registry
-from micro.model import KVCache, Segment, _offsets, _packed_attention_plan, forward_packed
-from engine.core import Engine, GenerationRequest
-from engine.scheduler import DraftScheduler, PassTimer, SeqDraftState
-from engine.sequence import tree_attention_mask
-from engine.verify import SamplingParams
+from nodraft.drafters.registry import Registry
+from nodraft.micro.model import KVCache, Segment, _offsets, _packed_attention_plan, forward_packed
+from nodraft.engine.core import Engine, GenerationRequest
+from nodraft.engine.scheduler import DraftScheduler, PassTimer, SeqDraftState
+from nodraft.engine.sequence import tree_attention_mask
+from nodraft.engine.verify import SamplingParams
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import generate, run_all
 

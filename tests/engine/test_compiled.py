@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from micro import gemm
-from micro.checkpoint import load_model
-from micro.model import KVCache
-from engine.sequence import tree_attention_mask
+from nodraft.micro import gemm
+from nodraft.micro.checkpoint import load_model
+from nodraft.micro.model import KVCache
+from nodraft.engine.sequence import tree_attention_mask
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +90,8 @@ def test_short_contexts_and_cold_families_run_eager(checkpoint_dir):
 def test_a_failed_warm_up_leaves_the_engine_serving_eager(checkpoint_dir):
     import threading
 
-    from drafters.registry import Registry
-    from engine.core import WARM_UP_SWITCH_INTERVAL, Engine, GenerationRequest
+    from nodraft.drafters.registry import Registry
+    from nodraft.engine.core import WARM_UP_SWITCH_INTERVAL, Engine, GenerationRequest
 
     model = load_model("micro", checkpoint_dir).compile(lazy=False)
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from drafters.base import Draft
-from micro.model import MicroConfig
-from engine.verify import SamplingParams, target_probs
+from nodraft.drafters.base import Draft
+from nodraft.micro.model import MicroConfig
+from nodraft.engine.verify import SamplingParams, target_probs
 from tests.conftest import tiny_model
 from tests.engine.helpers import REGISTRY, generate
 

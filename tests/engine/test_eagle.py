@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from drafters.base import DraftContext
-from drafters.eagle import (Eagle, evaluate_head, features, greedy_continue, load_head_state,
+from nodraft.drafters.base import DraftContext
+from nodraft.drafters.eagle import (Eagle, evaluate_head, features, greedy_continue, load_head_state,
                             unroll, write_untrained)
-from drafters.registry import DrafterEnv, SpeculationError
-from micro.model import KVCache
+from nodraft.drafters.registry import DrafterEnv, SpeculationError
+from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import REGISTRY, generate
 
@@ -227,9 +227,9 @@ def test_a_one_token_prompt_and_greedy_equivalence(env):
 
 
 def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
-    from drafters.eagle_train import main
-    from micro.checkpoint import load_model, load_tokenizer
-    from micro.data import token_stream
+    from nodraft.drafters.eagle_train import main
+    from nodraft.micro.checkpoint import load_model, load_tokenizer
+    from nodraft.micro.data import token_stream
 
     main(["--model", "micro", "--steps", "3", "--batch-size", "2", "--seq-len", "64",
           "--ttt-steps", "2", "--eval-windows", "4", "--eval-depth", "3", "--timing-repeats", "3",
@@ -309,9 +309,9 @@ def test_the_compiled_draft_keeps_its_first_nodes_near_the_end(env, compiled_env
 def test_the_server_warm_up_compiles_the_default_draft_step(env):
     """``Engine.warm_up`` compiles EAGLE's default draft step after the target's graphs;
     until then (not lazy) the drafter drafts eager."""
-    from drafters.eagle import _COMPILED_DRAFTS
-    from drafters.registry import Registry
-    from engine.core import Engine
+    from nodraft.drafters.eagle import _COMPILED_DRAFTS
+    from nodraft.drafters.registry import Registry
+    from nodraft.engine.core import Engine
 
     model = copy.deepcopy(MODEL).compile(lazy=False)
     model.compiled.warm_up = lambda cache, slot, early_exit=True: 0.0  # the target's: elsewhere
@@ -360,7 +360,7 @@ def test_greedy_continue_is_the_targets_greedy_decoding():
 
 
 def test_self_distillation_goes_on_from_a_trained_head(checkpoint_dir, tmp_path):
-    from drafters.eagle_train import main
+    from nodraft.drafters.eagle_train import main
 
     common = ["--model", "micro", "--batch-size", "2", "--seq-len", "64", "--eval-windows", "4",
               "--eval-depth", "2", "--timing-repeats", "2", "--checkpoints", str(checkpoint_dir),

@@ -5,14 +5,14 @@ import time
 import pytest
 import torch
 
-from drafters.base import Draft
-from drafters.registry import Registry, SpeculationError
-from engine.core import Engine, GenerationRequest, QueueFull
-from engine.stats import SpecStats
-from engine.verify import SamplingParams, accept, target_probs
+from nodraft.drafters.base import Draft
+from nodraft.drafters.registry import Registry, SpeculationError
+from nodraft.engine.core import Engine, GenerationRequest, QueueFull
+from nodraft.engine.stats import SpecStats
+from nodraft.engine.verify import SamplingParams, accept, target_probs
 from tests.conftest import TINY, tiny_model
-from engine.sequence import Sequence
-from micro.model import KVCache
+from nodraft.engine.sequence import Sequence
+from nodraft.micro.model import KVCache
 from tests.engine.helpers import drafter_env, generate, run_all
 
 MODEL = tiny_model()
@@ -68,7 +68,7 @@ def test_early_exit_cost_is_counted():
 def test_measured_cost_figures_price_each_pass_by_its_rows():
     """plain seconds: (accepted + 1) one-row passes a pass; verify seconds: the table's
     price of a pass of that many rows; draft seconds: the drafter's timed work."""
-    from drafters.costs import PassCost
+    from nodraft.drafters.costs import PassCost
     table = PassCost({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
     prompt = [1, 2, 3, 4] * 6
     cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
@@ -105,8 +105,8 @@ def test_measured_cost_figures_price_each_pass_by_its_rows():
 def test_an_idle_engine_measures_its_pass_costs_before_any_request():
     """... past a context where compiled passes run (they need a few cached rows; a table
     timed at position 0 priced every compiled pass as an eager one)."""
-    from drafters import costs
-    from micro.compiled import MIN_CONTEXT
+    from nodraft.drafters import costs
+    from nodraft.micro.compiled import MIN_CONTEXT
     model = tiny_model(dtype=torch.float32)  # an object of its own: no table measured yet
     assert costs.latest(model) is None
     starts, verify = [], model.verify_pass
@@ -139,7 +139,7 @@ def test_tables_wait_for_the_compiled_passes_being_loaded():
     """While a warm start loads its saved graphs (``costs_after_load``), an idle engine
     measures nothing -- an eager table would be thrown away in seconds and would slow the
     load -- then measures once they are ready; a request meanwhile still gets a table."""
-    from drafters import costs
+    from nodraft.drafters import costs
     model = tiny_model(dtype=torch.float32)
     engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
     engine.costs_after_load = True
@@ -252,7 +252,7 @@ def test_a_plugin_from_an_installed_package_is_served(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text(textwrap.dedent('''
         from dataclasses import dataclass
         import torch
-        from drafters.base import Draft
+        from nodraft.drafters.base import Draft
 
         class Echo:
             """Proposes the prompt's first tokens, whatever the context."""

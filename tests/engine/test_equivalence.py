@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from micro.checkpoint import load_model, load_tokenizer
+from nodraft.micro.checkpoint import load_model, load_tokenizer
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import all_configs, generate
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from engine.client import EventPump
+from nodraft.engine.client import EventPump
 
 
 def count_wakeups(loop: asyncio.AbstractEventLoop) -> list:

@@ -5,11 +5,11 @@ the same as plain sampling with that seed (engine.sampling)."""
 import pytest
 import torch
 
-from drafters.registry import Registry
-from engine.core import Engine, GenerationRequest
-from engine.sampling import PositionNoise, derive_seed
-from engine.verify import SamplingParams
-from micro.checkpoint import load_model, load_tokenizer
+from nodraft.drafters.registry import Registry
+from nodraft.engine.core import Engine, GenerationRequest
+from nodraft.engine.sampling import PositionNoise, derive_seed
+from nodraft.engine.verify import SamplingParams
+from nodraft.micro.checkpoint import load_model, load_tokenizer
 from tests.engine.helpers import REGISTRY, generate, run_all
 
 # every registered drafter with its default parameters (medusa and suffix draft trees,

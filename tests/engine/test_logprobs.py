@@ -5,12 +5,12 @@ import msgspec
 import pytest
 import torch
 
-from engine.core import Event
-from engine.messages import Outputs, decode_outputs, encode
-from engine.sequence import Sequence, StepResult, token_logprobs
-from engine.verify import SamplingParams
-from micro.checkpoint import load_model, load_tokenizer
-from micro.model import KVCache
+from nodraft.engine.core import Event
+from nodraft.engine.messages import Outputs, decode_outputs, encode
+from nodraft.engine.sequence import Sequence, StepResult, token_logprobs
+from nodraft.engine.verify import SamplingParams
+from nodraft.micro.checkpoint import load_model, load_tokenizer
+from nodraft.micro.model import KVCache
 from tests.conftest import tiny_model
 from tests.engine.helpers import REGISTRY, all_configs, drafter_env
 

@@ -3,11 +3,11 @@ harvest, the n-gram pool, and the drafter on a tiny model."""
 
 import torch
 
-from drafters.base import DraftContext
-from drafters.lookahead import Lookahead, NgramPool, ngram_tree, window_layout
-from micro.model import KVCache
-from engine.sequence import Sequence
-from engine.verify import accept
+from nodraft.drafters.base import DraftContext
+from nodraft.drafters.lookahead import Lookahead, NgramPool, ngram_tree, window_layout
+from nodraft.micro.model import KVCache
+from nodraft.engine.sequence import Sequence
+from nodraft.engine.verify import accept
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import generate
 

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from drafters.base import DraftContext
-from drafters.medusa import (Medusa, MedusaHeads, build_tree, evaluate_heads, head_cost,
+from nodraft.drafters.base import DraftContext
+from nodraft.drafters.medusa import (Medusa, MedusaHeads, build_tree, evaluate_heads, head_cost,
                              rank_accuracies, save_heads, weights_path, write_untrained)
-from drafters.registry import DrafterEnv, SpeculationError
-from micro.checkpoint import save_model
-from micro.model import KVCache, Micro, MicroConfig
+from nodraft.drafters.registry import DrafterEnv, SpeculationError
+from nodraft.micro.checkpoint import save_model
+from nodraft.micro.model import KVCache, Micro, MicroConfig
 from tests.conftest import TINY, tiny_model
 from tests.engine.helpers import REGISTRY, generate, drafter_env
 
@@ -171,7 +171,7 @@ def test_evaluate_heads_counts_top_k_hits_against_tokens_two_plus_i_ahead():
 
 # -- training ---------------------------------------------------------------------------------
 def test_a_quick_training_run_writes_loadable_heads(tmp_path):
-    from drafters.medusa_train import main
+    from nodraft.drafters.medusa_train import main
 
     torch.manual_seed(0)
     config = MicroConfig(vocab_size=4096, dim=16, n_layers=1, n_heads=2, ffn_dim=32,

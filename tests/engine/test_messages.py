@@ -1,12 +1,12 @@
 """What crosses the process boundary survives the trip: requests as plain data (their
 drafter's parameters rebuilt by the engine's registry), events with their figures."""
 
-from drafters.registry import Registry
-from engine import messages
-from engine.core import Event, GenerationRequest
-from engine.sequence import StepResult
-from engine.stats import SpecStats
-from engine.verify import SamplingParams
+from nodraft.drafters.registry import Registry
+from nodraft.engine import messages
+from nodraft.engine.core import Event, GenerationRequest
+from nodraft.engine.sequence import StepResult
+from nodraft.engine.stats import SpecStats
+from nodraft.engine.verify import SamplingParams
 
 
 def test_a_request_is_data_and_its_parameters_come_back_the_same():

@@ -1,9 +1,9 @@
 """Prompt lookup's matching rules, by hand: the docstring's example, first against most
 recent occurrence, and how long a draft each match length earns."""
 
-from drafters.base import DraftContext
-from drafters.prompt_lookup import PromptLookup
-from micro.model import KVCache
+from nodraft.drafters.base import DraftContext
+from nodraft.drafters.prompt_lookup import PromptLookup
+from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
 
 MODEL = tiny_model()

@@ -6,10 +6,10 @@ evicts."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafters.base import DraftContext
-from drafters.registry import DrafterEnv
-from drafters.suffix import SuffixDecoding, SuffixIndex, grow_tree
-from micro.model import KVCache
+from nodraft.drafters.base import DraftContext
+from nodraft.drafters.registry import DrafterEnv
+from nodraft.drafters.suffix import SuffixDecoding, SuffixIndex, grow_tree
+from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
 
 MODEL = tiny_model()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torch.utils.file_baton import FileBaton
 
-from micro import gemm
+from nodraft.micro import gemm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,7 @@ BUILDER = """
 import sys, time
 from pathlib import Path
 from torch.utils.file_baton import FileBaton
-from micro import gemm
+from nodraft.micro import gemm
 with gemm.build_lock(Path(sys.argv[1])):
     assert FileBaton(str(Path(sys.argv[1]) / "lock")).try_acquire()
     print("building", flush=True)

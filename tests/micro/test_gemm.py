@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from micro import gemm
+from nodraft.micro import gemm
 
 pytestmark = pytest.mark.skipif(not gemm.load(), reason=f"nodraft::mm unavailable: {gemm.why()}")
 

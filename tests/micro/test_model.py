@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from micro.model import KVCache, Micro, MicroConfig
+from nodraft.micro.model import KVCache, Micro, MicroConfig
 from tests.conftest import TINY, tiny_model
 
 

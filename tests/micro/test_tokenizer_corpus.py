@@ -3,9 +3,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from micro.checkpoint import load_tokenizer
-from micro.corpus import SPLITS, compare_manifest, documents, manifest, split_of
-from micro.tokenizer import CHAT_MARKERS, EOT
+from nodraft.micro.checkpoint import load_tokenizer
+from nodraft.micro.corpus import SPLITS, compare_manifest, documents, manifest, split_of
+from nodraft.micro.tokenizer import CHAT_MARKERS, EOT
 
 TOK = load_tokenizer()
 

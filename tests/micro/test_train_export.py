@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from micro.checkpoint import load_model, load_tokenizer, save_model
-from micro.eval import copy_eval, evaluate
-from micro.model import MicroConfig
-from micro.train import add_arguments, layer_drop_probs, train
-from micro.variants import make_variant, quantize_int8
+from nodraft.micro.checkpoint import load_model, load_tokenizer, save_model
+from nodraft.micro.eval import copy_eval, evaluate
+from nodraft.micro.model import MicroConfig
+from nodraft.micro.train import add_arguments, layer_drop_probs, train
+from nodraft.micro.variants import make_variant, quantize_int8
 from tests.conftest import tiny_model
 
 SMALL = MicroConfig(vocab_size=4096, dim=32, n_layers=2, n_heads=2, ffn_dim=64, max_positions=512)
@@ -58,7 +58,7 @@ def test_variants():
 
 def test_export_loads_in_transformers_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from micro.export import export
+    from nodraft.micro.export import export
 
     ck = tmp_path / "ck"
     m = tiny_model(dtype=torch.float32, config=MicroConfig(dim=32, n_heads=2, ffn_dim=64))
@@ -75,7 +75,7 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path):
 
 def test_export_of_the_committed_micro(tmp_path, checkpoint_dir):
     transformers = pytest.importorskip("transformers")
-    from micro.export import export
+    from nodraft.micro.export import export
 
     out = export(tmp_path / "hf", "micro", checkpoint_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
@@ -99,7 +99,7 @@ def test_eval_reports_every_key(checkpoint_dir):
 
 
 def test_trained_micro_copies_its_context(checkpoint_dir):
-    from micro.data import token_stream
+    from nodraft.micro.data import token_stream
 
     tok = load_tokenizer()
     m = load_model("micro", checkpoint_dir)

@@ -11,7 +11,7 @@ import pytest
 from server_testing import (MAX_RUNNING, MAX_WAITING, LiveServer, registry_with_slow,
                             serve_checkpoints)  # noqa: F401 - a fixture
 
-from server.settings import Settings
+from nodraft.server.settings import Settings
 
 
 @pytest.fixture(scope="session")

@@ -20,12 +20,12 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from drafters.base import Draft, DraftContext
-from drafters.registry import DrafterEnv, Registry
-from micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models, save_model
-from micro.model import Micro, MicroConfig
-from server.app import create_app, uvicorn_config
-from server.settings import Settings
+from nodraft.drafters.base import Draft, DraftContext
+from nodraft.drafters.registry import DrafterEnv, Registry
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_models, save_model
+from nodraft.micro.model import Micro, MicroConfig
+from nodraft.server.app import create_app, uvicorn_config
+from nodraft.server.settings import Settings
 
 MAX_RUNNING, MAX_WAITING = 4, 4  # the session server's admission limits
 

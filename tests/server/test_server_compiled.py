@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from server_testing import LiveServer, alive, free_port, wait_for, wait_healthy
 
-from server.settings import Settings
+from nodraft.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_RUNNING = 4
@@ -39,11 +39,11 @@ EVERY_DRAFTER = textwrap.dedent(r"""
     from pathlib import Path
     import torch
     from torch._dynamo.utils import counters
-    from engine import artifacts
-    from engine.core import GenerationRequest
-    from engine.process import build_engine
-    from micro.checkpoint import load_model, load_tokenizer
-    from server.settings import Settings
+    from nodraft.engine import artifacts
+    from nodraft.engine.core import GenerationRequest
+    from nodraft.engine.process import build_engine
+    from nodraft.micro.checkpoint import load_model, load_tokenizer
+    from nodraft.server.settings import Settings
     from tests.engine.helpers import all_configs, generate, run_all
     checkpoints, cache, max_running = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(1)
@@ -119,7 +119,7 @@ def one_model(checkpoints: Path, name: str, into: Path) -> Path:
 def serve_process(checkpoints: Path, cache: Path, port: int, log: Path) -> subprocess.Popen:
     with open(log, "a") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--checkpoints",
+            [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port), "--checkpoints",
              str(checkpoints), "--compile", "true", "--compile-cache", str(cache),
              "--threads", "1", "--max-running", str(MAX_RUNNING), "--log-level", "info"],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -133,7 +133,7 @@ def builders(cache: Path) -> list[int]:
             cmd = (proc / "cmdline").read_bytes()
         except (OSError, ValueError):
             continue
-        if b"engine.artifacts" in cmd and str(cache).encode() in cmd and alive(int(proc.name)):
+        if b"nodraft.engine.artifacts" in cmd and str(cache).encode() in cmd and alive(int(proc.name)):
             out.append(int(proc.name))
     return out
 

@@ -16,10 +16,10 @@ import pytest
 import uvicorn
 from server_testing import metric, wait_for
 
-from server.admission import MAX_RETRY_AFTER, Admission
-from server.app import create_app, uvicorn_config
-from server.errors import APIError
-from server.settings import Settings
+from nodraft.server.admission import MAX_RETRY_AFTER, Admission
+from nodraft.server.app import create_app, uvicorn_config
+from nodraft.server.errors import APIError
+from nodraft.server.settings import Settings
 
 SLOW = {"method": "slow", "delay": 0.02}
 HEALTH_BOUND = 0.2  # s: /health answers within this under attack

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from server_testing import MAX_RUNNING, MAX_WAITING, LiveServer, metric, sse_payloads, wait_for
 
-from server.app import create_app
-from server.settings import Settings
+from nodraft.server.app import create_app
+from nodraft.server.settings import Settings
 
 SLOW = {"method": "slow", "delay": 0.05}
 
@@ -389,7 +389,7 @@ def test_server_default_speculation(serve_checkpoints):
     the server at start-up, not at the first request."""
     from starlette.testclient import TestClient
 
-    from drafters.registry import SpeculationError
+    from nodraft.drafters.registry import SpeculationError
 
     settings = Settings(checkpoints=serve_checkpoints, speculation='{"method": "ngram"}')
     with TestClient(create_app(settings)) as c:

@@ -22,15 +22,15 @@ ROOT = Path(__file__).parents[2]
 def test_the_engine_is_launched_before_torch_is_imported():
     script = textwrap.dedent("""
         import sys
-        import engine.launch
+        import nodraft.engine.launch
 
         def launch(config):
-            heavy = [m for m in ("torch", "fastapi", "server.app") if m in sys.modules]
+            heavy = [m for m in ("torch", "fastapi", "nodraft.server.app") if m in sys.modules]
             print("imported before the launch:", heavy, "compile:", config.compile)
             sys.exit(0)
 
-        engine.launch.launch = launch
-        from server.main import main
+        nodraft.engine.launch.launch = launch
+        from nodraft.server.main import main
         main(["--compile", "false"])
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
@@ -44,10 +44,10 @@ def test_an_eager_engine_never_imports_dynamo(serve_checkpoints):
     ``--compile false``, nor by the drafters that share the compiled passes' constants."""
     script = textwrap.dedent(f"""
         import sys
-        from engine.process import build_engine
-        from engine.launch import EngineConfig
+        from nodraft.engine.process import build_engine
+        from nodraft.engine.launch import EngineConfig
         engine = build_engine(EngineConfig({str(serve_checkpoints)!r}, compile=False))
-        assert "drafters.eagle" in sys.modules  # every drafter's module, before serving
+        assert "nodraft.drafters.eagle" in sys.modules  # every drafter's module, before serving
         print("dynamo imported:", "torch._dynamo" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
@@ -59,7 +59,7 @@ def test_an_eager_engine_never_imports_dynamo(serve_checkpoints):
 def _serve(checkpoints: Path, port: int, tmp: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "TMPDIR": str(tmp)}  # the engine's socket folder goes there
     return subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--checkpoints",
+        [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port), "--checkpoints",
          str(checkpoints), "--compile", "false", "--threads", "1", "--log-level", "warning",
          *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from server_testing import metric, metrics, sse_payloads, wait_for
 
-from drafters.registry import Registry
+from nodraft.drafters.registry import Registry
 
 SPEC_COUNTERS = {  # metric -> the speculation figure it sums
     "nodraft_spec_draft_tokens_total": "drafted",

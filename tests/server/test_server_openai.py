@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from drafters.registry import Registry
+from nodraft.drafters.registry import Registry
 
 METHODS = Registry().names()
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"

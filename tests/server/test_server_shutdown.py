@@ -20,7 +20,7 @@ import pytest
 from server_testing import (LiveServer, alive, free_port, registry_with_slow, sse_payloads,
                             wait_for, wait_healthy)
 
-from server.settings import Settings
+from nodraft.server.settings import Settings
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -38,8 +38,8 @@ def server_process(serve_checkpoints):
         import sys
         sys.path.insert(0, {str(HERE)!r})
         from server_testing import registry_with_slow
-        from server.app import serve
-        from server.settings import Settings
+        from nodraft.server.app import serve
+        from nodraft.server.settings import Settings
         serve(Settings(port={port}, checkpoints={str(serve_checkpoints)!r}, drain_seconds=20,
                        log_level="warning"), registry_with_slow())
     """)

@@ -8,10 +8,10 @@ from pydantic import ValidationError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from micro.checkpoint import load_tokenizer
-from server import chat
-from server.generation import TextStream
-from server.settings import Settings
+from nodraft.micro.checkpoint import load_tokenizer
+from nodraft.server import chat
+from nodraft.server.generation import TextStream
+from nodraft.server.settings import Settings
 
 
 class ByteTokens:
@@ -208,7 +208,7 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
 
 
 def test_serve_help(capsys):
-    from server.cli import main
+    from nodraft.server.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["serve", "--help"])

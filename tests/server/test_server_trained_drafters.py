@@ -6,8 +6,8 @@ import shutil
 
 import httpx
 
-from micro.checkpoint import CHECKPOINT_DIR
-from server.settings import Settings
+from nodraft.micro.checkpoint import CHECKPOINT_DIR
+from nodraft.server.settings import Settings
 from server_testing import LiveServer
 
 

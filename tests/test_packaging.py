@@ -1,0 +1,65 @@
+"""The installed package: one import namespace (``nodraft.*``), its data, its command.
+
+Builds the wheel ``pip install .`` would install and installs it into a folder of its own,
+then imports from that folder with ``site`` off, so neither this checkout nor an editable
+install can answer for it."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(out), str(ROOT)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    (found,) = out.glob("nodraft-*.whl")
+    return found
+
+
+def test_the_wheel_installs_one_namespace_with_its_data(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"nodraft"}
+    for package in ("micro", "drafters", "engine", "server", "clients"):
+        assert f"nodraft/{package}/__init__.py" in names
+    assert "nodraft/micro/checkpoints/micro.safetensors" in names
+    assert "nodraft/micro/checkpoints/tokenizer.json" in names
+    assert "nodraft/micro/csrc/gemm.cpp" in names
+    assert any(n.startswith("nodraft/server/static/") for n in names)
+    (entry,) = [n for n in names if n.endswith("entry_points.txt")]
+    assert "nodraft = nodraft.server.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def test_installed_modules_are_not_bare_top_level_names(wheel, tmp_path):
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                           str(target), str(wheel)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # -S: no site module, so no .pth file (an editable install's finder) is read; the
+    # dependencies come from this interpreter's site-packages, nodraft only from the wheel
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
+    script = ("import importlib.util, nodraft.server.cli, nodraft.micro.checkpoint as c\n"
+              "print(nodraft.server.cli.__file__)\n"
+              "print(c.load_tokenizer(c.CHECKPOINT_DIR / 'tokenizer.json').encode('def f')[:1])\n"
+              "print([n for n in ('server', 'micro', 'drafters', 'engine', 'clients')"
+              " if importlib.util.find_spec(n)])\n")
+    out = subprocess.run([sys.executable, "-S", "-c", script], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(str(target / "nodraft" / "server"))
+    assert lines[2] == "[]"
+    cli = subprocess.run([sys.executable, "-S", "-m", "nodraft.server.cli", "--help"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and "serve" in cli.stdout, cli.stderr
