@@ -1,7 +1,9 @@
 """Drafters: one module each, behind the protocol in ``drafters.base``, found by name
 through ``drafters.registry`` (built-ins and the ``nodraft.drafters`` entry points)."""
 
-from nodraft.drafters.base import Draft, DraftContext, Drafter
-from nodraft.drafters.registry import DrafterEnv, Registry, SpeculationError
+from nodraft.drafters.base import (AuxRows, Draft, DraftContext, Drafter, DrafterBase, DrafterEnv,
+                                  Reuse, SpeculationError)
+from nodraft.drafters.registry import Registry
 
-__all__ = ["Draft", "DraftContext", "Drafter", "DrafterEnv", "Registry", "SpeculationError"]
+__all__ = ["AuxRows", "Draft", "DraftContext", "Drafter", "DrafterBase", "DrafterEnv", "Registry", "Reuse",
+           "SpeculationError"]

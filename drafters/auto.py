@@ -56,8 +56,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.registry import DrafterEnv, Registry, SpeculationError
+from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
+                                  close_drafter)
+from nodraft.drafters.registry import Registry
 from nodraft.drafters.suffix import request_index
 from nodraft.drafters import costs
 from nodraft.drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
@@ -132,7 +133,7 @@ def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
     return costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
 
 
-class Auto:
+class Auto(DrafterBase):
     name = "auto"
     idle_method = "none"  # passes the engine runs without asking auto are plain decoding
 
@@ -311,9 +312,7 @@ class Auto:
 
     def close(self, ctx: DraftContext) -> None:
         for name, drafter in self.drafters.items():
-            close = getattr(drafter, "close", None)
-            if close is not None:
-                close(self._ctx(ctx, name))
+            close_drafter(drafter, self._ctx(ctx, name))
 
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")

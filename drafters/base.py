@@ -28,12 +28,57 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from nodraft.micro.checkpoint import CHECKPOINT_DIR
 from nodraft.micro.model import KVCache, Micro
+
+
+class SpeculationError(ValueError):
+    """A speculation request that names an unknown method or parameter, or a bad value."""
+
+    def __init__(self, message: str, param: str = "speculation"):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class DrafterEnv:
+    model_name: str
+    model: Micro | None  # None only for ``Registry.check``, which the API runs without weights
+    shared: dict = field(default_factory=dict)
+    # where the target's checkpoint lives; trained drafters (Medusa, EAGLE) find their
+    # weights beside it as ``<model_name>-<drafter>.safetensors``
+    checkpoint_dir: Path = CHECKPOINT_DIR
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """Work of the drafter's that verification takes over (early exit's KV reuse): the
+    first n rows of the verification block ([current, draft[:-1]]) already have their
+    layers < ``layer`` in the cache, and ``hidden`` is their residual stream after layer
+    ``layer``; verification runs those layers only for the last draft token."""
+
+    layer: int
+    hidden: Tensor  # (n, dim)
+
+
+@dataclass(frozen=True)
+class AuxRows:
+    """Rows run in the same target pass but verified by no one (lookahead decoding's Jacobi
+    window). They follow the draft nodes in the block, at positions n + ``pos`` (n = the
+    current token's position, so offsets start at 1); ``mask`` (m, 1+m) says which of
+    [current, *aux] each row attends to, besides the committed context. Aux rows never see
+    draft nodes and draft nodes never see them. Their logits reach the drafter as
+    ``ctx.aux_logits`` before ``observe``."""
+
+    tokens: Tensor  # (m,)
+    pos: Tensor  # (m,) int64 offsets >= 1
+    mask: Tensor  # (m, 1+m) bool
 
 
 @dataclass(frozen=True)
@@ -42,32 +87,20 @@ class Draft:
     parents: Tensor | None = None  # (n,) parent index per node, -1 = the current token
     probs: Tensor | None = None  # (n, V) draft distribution q per node; None = deterministic
     cost: float = 0.0  # the drafter's compute for this step, in target-pass units
-    # Early exit's KV reuse: the residual stream after layer ``exit_layer`` for the first n
-    # rows of the verification block ([current, draft[:-1]]), whose layers < exit_layer are
-    # already in the cache; verification runs those layers only for the last draft token.
-    exit_layer: int = 0
-    exit_hidden: Tensor | None = None  # (n, dim)
     method: str | None = None  # set by ``auto``: the drafter that actually proposed
     # The evidence behind a match-based draft: prompt lookup's n-gram length, suffix
     # decoding's matched suffix length (0: not a match). ``auto`` keys its acceptance
     # estimates on it: a 3-gram match is accepted far more often than a 1-gram one.
     match_len: int = 0
-    # Extra rows run in the same target pass but verified by no one (lookahead decoding's
-    # Jacobi window): they follow the draft nodes in the block, at positions n + aux_pos
-    # (n = the current token's position, so offsets start at 1). aux_mask (m, 1+m) bool
-    # says which of [current, *aux] each aux row attends to, besides the committed
-    # context; aux rows never see draft nodes and draft nodes never see them. Their logits
-    # reach the drafter as ``ctx.aux_logits`` before ``observe``.
-    aux_tokens: Tensor | None = None  # (m,)
-    aux_pos: Tensor | None = None  # (m,) int64 offsets >= 1
-    aux_mask: Tensor | None = None  # (m, 1+m) bool
+    reuse: Reuse | None = None  # lower layers the drafter already ran for these rows
+    aux: AuxRows | None = None  # rows the pass runs for the drafter, verified by no one
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
 
     @property
     def n_aux(self) -> int:
-        return 0 if self.aux_tokens is None else int(self.aux_tokens.numel())
+        return 0 if self.aux is None else int(self.aux.tokens.numel())
 
     def prefix(self, keep: int, **changes) -> "Draft":
         """The first ``keep`` nodes (parents precede children: any prefix is a valid tree),
@@ -78,7 +111,8 @@ class Draft:
             self, tokens=self.tokens[:keep],
             parents=None if self.parents is None else self.parents[:keep],
             probs=None if self.probs is None else self.probs[:keep],
-            exit_hidden=None if self.exit_hidden is None else self.exit_hidden[:keep], **changes)
+            reuse=None if self.reuse is None else Reuse(self.reuse.layer, self.reuse.hidden[:keep]),
+            **changes)
 
     @staticmethod
     def empty() -> "Draft":
@@ -115,7 +149,7 @@ class DraftContext:
     # samples its own proposal draws it this way, so it agrees with the target as often as
     # possible. None: unseeded, or greedy.
     draw: Callable[[Tensor, int], int] | None = None
-    aux_logits: Tensor | None = None  # (m, V) the last pass's logits of Draft.aux_tokens
+    aux_logits: Tensor | None = None  # (m, V) the last pass's logits of Draft.aux.tokens
     # the request's n-gram index over ``tokens`` (drafters.suffix.request_index), shared
     # by the match-based drafters
     ngrams: object | None = None
@@ -127,6 +161,21 @@ class DraftContext:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """What the engine calls. ``propose`` and ``observe`` are required; the rest are
+    optional hooks, declared here and given no-op defaults by ``DrafterBase`` (which every
+    built-in drafter subclasses; a plugin may, or may define only what it uses):
+
+    - ``Params``: a frozen dataclass of the request parameters, defaults and checks in
+      ``__post_init__`` (the registry parses a request's ``speculation`` into it);
+    - ``check(params, env)`` (static): cheap checks before the request is queued, in the API
+      process, without weights (``env.model`` is None); raises ``SpeculationError``;
+    - ``warm_up(cache, compile=True) -> seconds``: build the drafter's own compiled graphs,
+      after the target's (EAGLE's draft step); ``compile=False`` only loads saved ones;
+    - ``close(ctx)``: the sequence ended (suffix decoding adds the response to its tree);
+    - ``idle_method``: the method a pass the engine runs without consulting the drafter
+      belongs to (``auto``'s undrafted passes are ``none``'s); None: the drafter's own.
+    """
+
     name: str
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
@@ -139,9 +188,48 @@ class Drafter(Protocol):
         ...
 
 
+class DrafterBase:
+    """No-op defaults for the ``Drafter`` protocol's optional hooks."""
+
+    name: str = ""
+    idle_method: str | None = None
+
+    @dataclass(frozen=True)
+    class Params:
+        pass
+
+    def __init__(self, params, env: DrafterEnv):
+        self.params = params
+
+    @staticmethod
+    def check(params, env: DrafterEnv) -> None:
+        pass
+
+    def warm_up(self, cache: KVCache, compile: bool = True) -> float:
+        return 0.0
+
+    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        pass
+
+    def close(self, ctx: DraftContext) -> None:
+        pass
+
+
+def has_hook(drafter_or_class, hook: str) -> bool:
+    """Whether a drafter (or its class) implements ``hook`` itself, not as
+    ``DrafterBase``'s no-op (the engine builds a drafter to warm it up only if it does)."""
+    cls = drafter_or_class if isinstance(drafter_or_class, type) else type(drafter_or_class)
+    own = getattr(cls, hook, None)
+    return own is not None and own is not getattr(DrafterBase, hook, None)
+
+
+def hook(drafter, name: str, default=None):
+    """An optional hook of a drafter that may not subclass ``DrafterBase`` (a plugin)."""
+    return getattr(drafter, name, default)
+
+
 def close_drafter(drafter: Drafter, ctx: DraftContext) -> None:
-    """Tell a drafter its sequence ended (optional ``close``: e.g. suffix decoding adds the
-    response to its global tree)."""
-    close = getattr(drafter, "close", None)
+    """Tell a drafter its sequence ended (its optional ``close``)."""
+    close = hook(drafter, "close")
     if close is not None:
         close(ctx)

@@ -4,7 +4,7 @@ Draft: run the target's layers [0, E) on the current token, read a prediction th
 final norm and the shared LM head, feed it back, k times. Each draft pass writes layers < E
 of the next cache row, exactly as the full model would, so verification reuses them: it
 runs layers < E only for the last draft token, then layers [E, L) for the whole block
-(``Draft.exit_hidden`` carries the layer-E residual stream of the first k rows).
+(``Draft.reuse`` carries the layer-E residual stream of the first k rows).
 
 Draft cost model (FLOPs, per draft token, in target-pass units):
 ``(E * layer_flops + head_flops) / (L * layer_flops + head_flops)`` -- the first E of L
@@ -23,13 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.registry import DrafterEnv
-from nodraft.micro.model import MicroConfig
-
-
-def layer_macs(c: MicroConfig) -> int:
-    return 4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim
+from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv, Reuse
+from nodraft.micro.model import MicroConfig, layer_macs
 
 
 def exit_cost(c: MicroConfig, exit_layer: int) -> float:
@@ -37,7 +32,7 @@ def exit_cost(c: MicroConfig, exit_layer: int) -> float:
     return (exit_layer * layer_macs(c) + head) / (c.n_layers * layer_macs(c) + head)
 
 
-class EarlyExit:
+class EarlyExit(DrafterBase):
     name = "early_exit"
 
     @dataclass(frozen=True)
@@ -80,8 +75,7 @@ class EarlyExit:
         if not tokens:
             return Draft.empty()
         return Draft(torch.tensor(tokens), None, torch.stack(probs) if probs else None,
-                     cost=k * self.cost_per_token, exit_layer=E,
-                     exit_hidden=torch.cat(hiddens, dim=0))
+                     cost=k * self.cost_per_token, reuse=Reuse(E, torch.cat(hiddens, dim=0)))
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         pass

@@ -22,7 +22,8 @@ from nodraft.micro.eval import VARIANTS, evaluate, render
 
 
 def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None = None) -> dict:
-    from nodraft.drafters import eagle, medusa
+    from nodraft.drafters import medusa
+    from nodraft.drafters.eagle import evaluation as eagle_eval, head as eagle
 
     local = directory / "tokenizer.json"
     tok = load_tokenizer(local if local.exists() else None)
@@ -41,10 +42,10 @@ def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None 
                                "top_k": r["top_k"], "tokens": r["tokens"]}
         if epath.exists():
             _, state = eagle.load_head_state(directory, name)
-            entry["eagle"] = eagle.evaluate_head(model, state, heldout)
-            rows = eagle.greedy_rows(model, heldout, prompt_len=eagle.GREEDY_PROMPT)
-            entry["eagle"]["on_greedy"] = eagle.evaluate_head(model, state, None, rows=rows,
-                                                              first=eagle.GREEDY_PROMPT - 2)
+            entry["eagle"] = eagle_eval.evaluate_head(model, state, heldout)
+            rows = eagle_eval.greedy_rows(model, heldout, prompt_len=eagle_eval.GREEDY_PROMPT)
+            entry["eagle"]["on_greedy"] = eagle_eval.evaluate_head(model, state, None, rows=rows,
+                                                              first=eagle_eval.GREEDY_PROMPT - 2)
         out[name] = entry
     return out
 

@@ -10,7 +10,7 @@ One target pass holds three parts (the block the engine builds is
   nodes; verified like any tree, deterministic, so sampling uses the sibling rule and stays
   lossless);
 - the **lookahead branch**: the Jacobi window, ``ngram - 1`` (N-1) levels of ``window``
-  (W) columns, sent as ``Draft.aux_tokens``: rows the target runs but nobody verifies; their
+  (W) columns, sent as ``Draft.aux``: rows the target runs but nobody verifies; their
   logits come back as ``ctx.aux_logits``.
 
 The window (W = 3, N = 4; offsets from n; c is the current token, not an aux row)::
@@ -112,8 +112,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.registry import DrafterEnv
+from nodraft.drafters.base import AuxRows, Draft, DraftContext, DrafterBase, DrafterEnv
 
 ROW_COST = 0.05  # one more row in a target pass, in 1-token passes (micro, CPU, measured)
 
@@ -189,7 +188,7 @@ class NgramPool:
         return list(reversed(self.tails.get(key, ())))
 
 
-class Lookahead:
+class Lookahead(DrafterBase):
     name = "lookahead"
 
     @dataclass(frozen=True)
@@ -241,9 +240,8 @@ class Lookahead:
             st["pending"] = None
             return draft
         st["pending"] = m
-        return dataclasses.replace(
-            draft, cost=ROW_COST * m, aux_pos=pos, aux_mask=mask,
-            aux_tokens=torch.tensor([t for lvl in levels for t in lvl], dtype=torch.long))
+        aux = AuxRows(torch.tensor([t for lvl in levels for t in lvl], dtype=torch.long), pos, mask)
+        return dataclasses.replace(draft, cost=ROW_COST * m, aux=aux)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         st = self._state(ctx)

@@ -81,10 +81,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.early_exit import layer_macs
-from nodraft.drafters.registry import DrafterEnv, SpeculationError
-from nodraft.micro.model import Micro, MicroConfig
+from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError
+from nodraft.micro.model import Micro, MicroConfig, layer_macs
 
 SUFFIX = "medusa"
 
@@ -235,7 +233,7 @@ def build_tree(rank_acc: tuple[tuple[float, ...], ...], total_tokens: int) -> Me
 
 
 # -- the drafter ------------------------------------------------------------------------------
-class Medusa:
+class Medusa(DrafterBase):
     name = "medusa"
 
     @dataclass(frozen=True)

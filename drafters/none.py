@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.registry import DrafterEnv
+from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 
 
-class NoDraft:
+class NoDraft(DrafterBase):
     name = "none"
 
     @dataclass(frozen=True)

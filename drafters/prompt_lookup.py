@@ -27,12 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.registry import DrafterEnv
+from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 from nodraft.drafters.suffix import request_index
 
 
-class PromptLookup:
+class PromptLookup(DrafterBase):
     name = "prompt_lookup"
 
     @dataclass(frozen=True)

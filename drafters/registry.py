@@ -10,15 +10,11 @@ Registering a drafter touches no other drafter and no if/elif chain.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
 from typing import Any, get_type_hints
 
-from pathlib import Path
-
-from nodraft.micro.checkpoint import CHECKPOINT_DIR
-from nodraft.micro.model import Micro
+from nodraft.drafters.base import DrafterEnv, SpeculationError, hook  # noqa: F401 (the registry's API)
 
 BUILTIN = {
     "none": "nodraft.drafters.none:NoDraft",
@@ -31,24 +27,6 @@ BUILTIN = {
     "auto": "nodraft.drafters.auto:Auto",
 }
 ALIASES = {"ngram": "prompt_lookup"}
-
-
-class SpeculationError(ValueError):
-    """A speculation request that names an unknown method or parameter, or a bad value."""
-
-    def __init__(self, message: str, param: str = "speculation"):
-        super().__init__(message)
-        self.param = param
-
-
-@dataclass
-class DrafterEnv:
-    model_name: str
-    model: Micro | None  # None only for ``Registry.check``, which the API runs without weights
-    shared: dict = field(default_factory=dict)
-    # where the target's checkpoint lives; trained drafters (Medusa, EAGLE) find their
-    # weights beside it as ``<model_name>-<drafter>.safetensors``
-    checkpoint_dir: Path = CHECKPOINT_DIR
 
 
 def _load(target: str) -> type:
@@ -132,7 +110,7 @@ class Registry:
         SpeculationError, which the API turns into a 400 before the request is queued. The
         API process holds no weights: ``env.model`` is None here, ``env.model_name`` and
         ``env.checkpoint_dir`` say where to look."""
-        check = getattr(self.drafter_class(method), "check", None)
+        check = hook(self.drafter_class(method), "check")
         if check is not None:
             check(params, env)
 

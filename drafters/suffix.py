@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nodraft.drafters.base import Draft, DraftContext
-from nodraft.drafters.registry import DrafterEnv
+from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 
 
 def grow_tree(root, max_nodes: int, min_prob: float, children
@@ -214,7 +213,7 @@ def request_index(ctx: DraftContext, k: int | None = None) -> SuffixIndex:
     return index
 
 
-class SuffixDecoding:
+class SuffixDecoding(DrafterBase):
     name = "suffix"
 
     @dataclass(frozen=True)

@@ -45,8 +45,8 @@ from typing import Any, Callable
 import torch
 
 from nodraft.drafters import costs
-from nodraft.drafters.base import Draft
-from nodraft.drafters.registry import DrafterEnv, Registry
+from nodraft.drafters.base import Draft, DrafterEnv, has_hook
+from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro, Segment, forward_packed
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
@@ -272,7 +272,7 @@ class Engine:
                 return
             try:
                 cls = self.registry.drafter_class(method)
-                if not hasattr(cls, "warm_up"):
+                if not has_hook(cls, "warm_up"):
                     continue
                 env = DrafterEnv(name, model, self.shared.setdefault((method, name), {}))
                 if self.checkpoint_dir is not None:

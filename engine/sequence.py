@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter
+from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter, hook
 from nodraft.micro.model import KVCache, Micro, Segment
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import PositionNoise, derive_seed
@@ -139,7 +139,7 @@ class Sequence:
         scheduler's share under batching; 0 = do not draft this step)."""
         budget = self.budget() if limit is None else min(limit, self.budget())
         if budget == 0:  # not consulted: a drafter may name who that pass belongs to
-            return dataclasses.replace(Draft.empty(), method=getattr(self.drafter, "idle_method", None))
+            return dataclasses.replace(Draft.empty(), method=hook(self.drafter, "idle_method"))
         t0 = time.perf_counter()
         try:
             draft = self.drafter.propose(self.ctx, budget)
@@ -152,8 +152,8 @@ class Sequence:
         if len(draft) > budget:
             draft = draft.prefix(budget)
         room = self.cache.max_len - len(self.tokens) - len(draft)  # rows left for aux
-        if draft.n_aux and (draft.n_aux > room or draft.exit_layer):
-            draft = dataclasses.replace(draft, aux_tokens=None, aux_pos=None, aux_mask=None)
+        if draft.n_aux and (draft.n_aux > room or draft.reuse is not None):
+            draft = dataclasses.replace(draft, aux=None)
         return draft
 
     def block(self, draft: Draft) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -173,10 +173,11 @@ class Sequence:
             return torch.tensor(ids), n + depth, mask
         full = torch.zeros(1 + k + m, 1 + k + m, dtype=torch.bool)
         full[:k + 1, :k + 1] = mask
-        full[k + 1:, 0] = draft.aux_mask[:, 0]
-        full[k + 1:, k + 1:] = draft.aux_mask[:, 1:]
-        ids += draft.aux_tokens.tolist()
-        pos = torch.cat([n + depth, n + draft.aux_pos])
+        aux = draft.aux
+        full[k + 1:, 0] = aux.mask[:, 0]
+        full[k + 1:, k + 1:] = aux.mask[:, 1:]
+        ids += aux.tokens.tolist()
+        pos = torch.cat([n + depth, n + aux.pos])
         return torch.tensor(ids), pos, full
 
     @torch.inference_mode()
@@ -186,13 +187,13 @@ class Sequence:
         n = self.cache.lengths[self.slot]
         k = len(draft)
         m = self.model
-        if draft.exit_layer and k:  # early exit: layers < E are cached for all but the last
-            E = draft.exit_layer
+        if draft.reuse is not None and k:  # early exit: layers < E cached for all but the last
+            E = draft.reuse.layer
             block = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
             pos_last = torch.tensor([[n + k]])
             h_last = m.run_layers(m.embed(block[:, -1:]), pos_last, 0, E, cache=self.cache,
                                   slot=self.slot, start=n + k)
-            h = torch.cat([draft.exit_hidden[None], h_last], dim=1)  # (1, 1+k, dim)
+            h = torch.cat([draft.reuse.hidden[None], h_last], dim=1)  # (1, 1+k, dim)
             pos = torch.arange(n, n + k + 1)[None]
             h = m.run_layers(h, pos, E, m.config.n_layers, cache=self.cache, slot=self.slot,
                              start=n, mask=m.block_mask(k + 1, n, None))

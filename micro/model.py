@@ -47,6 +47,13 @@ class MicroConfig:
         return asdict(self)
 
 
+def layer_macs(c: MicroConfig) -> int:
+    """Multiply-accumulates of one decoder layer per token (its weights: wqkv, wo, w13, w2);
+    the drafters' FLOP cost models divide by ``n_layers * layer_macs + vocab_size * dim``,
+    a whole pass's."""
+    return 4 * c.dim * c.dim + 3 * c.dim * c.ffn_dim
+
+
 class KVCache:
     """Keys and values for ``n_slots`` sequences, preallocated and written by row.
 

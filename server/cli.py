@@ -31,7 +31,7 @@ TRAIN = {
     "tokenizer": ("nodraft.micro.train_tokenizer", "main", "the byte-level BPE on the train split"),
     "micro": ("nodraft.micro.train", "main", "micro or micro-layerskip (--layerskip)"),
     "medusa": ("nodraft.drafters.medusa_train", "main", "Medusa heads for a checkpoint"),
-    "eagle": ("nodraft.drafters.eagle_train", "main", "the EAGLE head for a checkpoint"),
+    "eagle": ("nodraft.drafters.eagle.train", "main", "the EAGLE head for a checkpoint"),
 }
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from nodraft.drafters.base import DraftContext
-from nodraft.drafters.eagle import (Eagle, evaluate_head, features, greedy_continue, load_head_state,
-                            unroll, write_untrained)
+from nodraft.drafters.eagle import Eagle, features, load_head_state, write_untrained
+from nodraft.drafters.eagle.evaluation import evaluate_head, greedy_continue
+from nodraft.drafters.eagle.head import unroll
 from nodraft.drafters.registry import DrafterEnv, SpeculationError
 from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
@@ -227,7 +228,7 @@ def test_a_one_token_prompt_and_greedy_equivalence(env):
 
 
 def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
-    from nodraft.drafters.eagle_train import main
+    from nodraft.drafters.eagle.train import main
     from nodraft.micro.checkpoint import load_model, load_tokenizer
     from nodraft.micro.data import token_stream
 
@@ -255,7 +256,7 @@ def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
 @pytest.fixture(scope="module")
 def compiled_env(env) -> DrafterEnv:
     """The same model and head, with compiled passes (lazy): EAGLE drafts through its
-    compiled draft step (``drafters.eagle.CompiledDraft``)."""
+    compiled draft step (``drafters.eagle.compiled.CompiledDraft``)."""
     return DrafterEnv("tiny", copy.deepcopy(MODEL).compile(), {}, checkpoint_dir=env.checkpoint_dir)
 
 
@@ -309,7 +310,7 @@ def test_the_compiled_draft_keeps_its_first_nodes_near_the_end(env, compiled_env
 def test_the_server_warm_up_compiles_the_default_draft_step(env):
     """``Engine.warm_up`` compiles EAGLE's default draft step after the target's graphs;
     until then (not lazy) the drafter drafts eager."""
-    from nodraft.drafters.eagle import _COMPILED_DRAFTS
+    from nodraft.drafters.eagle.compiled import _COMPILED_DRAFTS
     from nodraft.drafters.registry import Registry
     from nodraft.engine.core import Engine
 
@@ -360,7 +361,7 @@ def test_greedy_continue_is_the_targets_greedy_decoding():
 
 
 def test_self_distillation_goes_on_from_a_trained_head(checkpoint_dir, tmp_path):
-    from nodraft.drafters.eagle_train import main
+    from nodraft.drafters.eagle.train import main
 
     common = ["--model", "micro", "--batch-size", "2", "--seq-len", "64", "--eval-windows", "4",
               "--eval-depth", "2", "--timing-repeats", "2", "--checkpoints", str(checkpoint_dir),

@@ -48,9 +48,9 @@ def test_start_up_window_is_causal_prompt_tokens():
     draft = d.propose(ctx, 8)
     assert len(draft) == 0  # nothing pooled yet
     assert draft.n_aux == 3 + 4 - 3  # level 0 only: W + N - 3 tokens
-    assert set(draft.aux_tokens.tolist()) <= set(prompt)
-    assert draft.aux_pos.tolist() == [1, 2, 3, 4]
-    assert torch.equal(draft.aux_mask, torch.ones(4, 5, dtype=torch.bool).tril(1))
+    assert set(draft.aux.tokens.tolist()) <= set(prompt)
+    assert draft.aux.pos.tolist() == [1, 2, 3, 4]
+    assert torch.equal(draft.aux.mask, torch.ones(4, 5, dtype=torch.bool).tril(1))
 
 
 def run_steps(seq: Sequence, n: int, check=None):
@@ -108,7 +108,7 @@ def test_a_jacobi_step_harvests_one_ngram_per_column_and_shifts_the_levels():
     st = d._state(ctx)
     st["levels"] = [[11, 12], [20, 21, 22], [30, 31, 32]]  # a1 a2 / b0 b1 b2 / d0 d1 d2
     draft = d.propose(ctx, 8)
-    assert draft.aux_tokens.tolist() == [11, 12, 20, 21, 22, 30, 31, 32]
+    assert draft.aux.tokens.tolist() == [11, 12, 20, 21, 22, 30, 31, 32]
     outputs = [50, 51, 52, 53, 54, 40, 41, 42]  # the top level's rows predict 40 41 42
     ctx.aux_logits = torch.nn.functional.one_hot(torch.tensor(outputs), TINY.vocab_size).float()
     ctx.tokens += [7]  # nothing accepted, the bonus token 7

@@ -1,4 +1,4 @@
-"""``nodraft train eagle``: train the EAGLE head of a checkpoint (``drafters.eagle``).
+"""``nodraft train eagle``: train the EAGLE head of a checkpoint (``drafters.eagle.head``).
 
     nodraft train eagle --model micro [--minutes 20 | --steps N] [--ttt-steps 2] [--threads 1]
                         [--init micro --self-distill 0.5]
@@ -12,7 +12,7 @@ trains the head on every position at once:
     step 1:  f^ = head(token_{t+1}, f_t + U(-noise/2, noise/2))   (real features)
     step j:  f^ = head(token_{t+1}, step j-1's prediction of f_t)  (``--ttt-steps`` > 1:
              EAGLE-3's training-time test, the head fed its own features as when drafting
-             a tree's deeper levels; attention as at run time, ``drafters.eagle.unroll``)
+             a tree's deeper levels; attention as at run time, ``head.unroll``)
     loss  =  sum_j 0.8^(j-1) · [ 1.0 · SmoothL1(f^, f_{t+1})
                                 + w · CE(f^ · E_N^T, softmax(f_{t+1} · E_N^T)) ]
 
@@ -20,27 +20,19 @@ with w = ``--ce-weight`` (EAGLE's 0.1 by default).
 
 ``--self-distill F`` makes a share F of every batch the target's own greedy continuations
 of train-split prompts (16-128 tokens, continued to ``--seq-len`` + 1; ``--distill-rows``
-rows generated once before training, batched, ``drafters.eagle.greedy_continue``): at run
+rows generated once before training, batched, ``evaluation.greedy_continue``): at run
 time the head drafts on the target's greedy output, which for a small model loops and
 repeats in ways natural text does not. ``--init MODEL`` goes on from a trained head (its
 weights and draft vocabulary; the record nests that head's record as ``init``). The
 committed heads: a first stage on natural text, then ``--init <model> --self-distill 0.5
---lr 3e-3`` (drafters/eagle.py, "Files").
+--lr 3e-3`` (docs/MICRO.md, "EAGLE heads").
 
 E_N is the target's tied embedding restricted to the draft vocabulary: the ``--draft-vocab``
 most frequent train-split tokens (both distributions over those N tokens; the target's is
 renormalised over them). AdamW (0.9, 0.95), linear warm-up then cosine decay to 10%
 (``micro.train.lr_at``) over the step or time budget, bf16 autocast, gradient clip 1.0.
 
-Choices measured on micro (held-out top-1 at depths 1..5, 3-minute runs, 1 thread):
-
-- ``--ttt-steps``: at an equal 149 steps, 2 unrolled steps gave 0.31/0.28/0.26/0.26/0.25
-  against 0.33/0.28/0.26/0.25/0.24 for 1 -- a point or so deeper, two lost at depth 1 --
-  for ~1.75x the compute per step; in equal time 1 step wins at every depth. Default 1.
-- ``--lr``: 2e-3 0.39/0.35/0.34/0.33/0.33, 5e-3 0.50/0.47/0.47/0.46/0.46,
-  1e-2 0.52/0.50/0.50/0.49/0.49. Default 1e-2 (for short runs; long ones may want less).
-- ``--ce-weight``: 1.0 gave 0.53/0.50/0.49/0.48/0.47 against 0.1's 0.52/0.50/0.50/0.49/0.49:
-  no gain at depth 1, a little lost deeper. Default EAGLE's 0.1.
+The defaults were chosen by measurement (docs/MICRO.md, "EAGLE heads").
 
 At the end: the held-out split's top-1 accuracy by position (``evaluate_head``: drafting
 greedily with its own features, against the target's greedy tokens), the same on the
@@ -64,9 +56,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from nodraft.drafters.eagle import (GREEDY_PROMPT, EagleHead, Eagle, evaluate_head, greedy_continue,
-                            greedy_rows, load_head_state, save_head, target_features,
-                            time_draft_step, unroll)
+from nodraft.drafters.eagle.drafter import Eagle
+from nodraft.drafters.eagle.evaluation import (GREEDY_PROMPT, evaluate_head, greedy_continue,
+                                               greedy_rows, target_features, time_draft_step)
+from nodraft.drafters.eagle.head import EagleHead, load_head_state, save_head, unroll
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
 from nodraft.micro.train import lr_at

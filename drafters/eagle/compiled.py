@@ -1,0 +1,254 @@
+"""The EAGLE draft step compiled: the catch-up and the whole tree, rerank included, as one
+``torch.compile`` graph per tree shape, built from the target's own layer code."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nodraft.micro.compiled import OPTIONS
+
+if TYPE_CHECKING:
+    from nodraft.drafters.eagle.drafter import EagleState, LoadedHead
+
+
+class CompiledDraft:
+    """A draft step -- the catch-up and the whole tree, rerank included -- as one
+    ``torch.compile`` graph per tree shape (depth, top_k, kept nodes), for targets whose
+    passes are compiled (``Micro.compile``). Eager, a step of the old default 3/3/8 tree is ~60
+    small operations and took 1.47 ms of CPU time against 0.73 ms for the 8-row pass
+    that verifies it; inductor fuses the norms, masks, rotations, softmaxes and top-k
+    bookkeeping into a few loops around the layer's products (``micro.compiled.attend_layer``,
+    the target's own layer code, on (in, out) copies of the head's weights, with the
+    target's product, ``micro.gemm``).
+
+    As the target's graphs: the draft KV cache stays outside (the graph reads the committed
+    rows as a view and returns the catch-up's new keys and values), the committed length
+    and the catch-up's length are dynamic (one graph serves every context; a one-row
+    catch-up -- the usual step after a rejection -- gets a graph of its own), and a shape
+    compiles at its first step when the target's passes are lazy, else only in
+    ``Eagle.warm_up`` (the server's warm-up) and runs eager until then."""
+
+    def __init__(self, loaded: "LoadedHead", compiled):
+        from nodraft.micro import gemm
+
+        self.loaded, self.compiled = loaded, compiled  # compiled: the target's CompiledPasses
+        self.mm = gemm.matmul(gemm.choose(compiled.gemm))
+        with torch.no_grad():
+            self.wt = {name: p.t().contiguous()
+                       for name, p in loaded.head.layer.named_parameters() if p.dim() == 2}
+        self._fns: dict[tuple, object] = {}
+        self._ready: set[tuple] = set()
+        self._inv_t: dict[tuple, Tensor] = {}  # 1 / temperature as a graph input, by value
+        # graphs built ahead of time: saved beside the target's (an artifact build) and
+        # loaded from there, in a folder of this head's own
+        from nodraft.micro.compiled import Precompiled
+
+        self.precompiled = Precompiled("EAGLE draft step")
+        self.folder = f"eagle-{Path(loaded.path).stem}"
+        if compiled.export_to is not None:
+            self.precompiled.export_to = compiled.export_to / self.folder
+        self._loaded_from = None
+        self.load()
+
+    def load(self) -> None:
+        """Load this head's graphs saved beside the target's, once the target's artifacts
+        are loaded (``CompiledPasses.load``); a no-op until then and after."""
+        folder = self.compiled.artifacts
+        if folder is None or folder == self._loaded_from:
+            return
+        self._loaded_from = folder
+        if (folder / self.folder).is_dir():
+            self._ready.update(self.precompiled.load(folder / self.folder,
+                                                     lambda f: self._core(*f[:3]),
+                                                     self.compiled.between_loads))
+
+    def _core(self, depth: int, top_k: int, keep: int):
+        from nodraft.micro.compiled import named_code
+
+        return named_code(_make_draft_core(self.loaded, self.wt, self.mm, depth, top_k, keep),
+                          f"eagle_draft_{depth}_{top_k}_{keep}")
+
+    def _fn(self, depth: int, top_k: int, keep: int):
+        key = (depth, top_k, keep)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = torch.compile(self._core(depth, top_k, keep), fullgraph=True,
+                                                options=DRAFT_OPTIONS)
+        return fn
+
+    def step(self, h: Tensor, next_tokens: Tensor, st: "EagleState", a: int,
+             depth: int, top_k: int, keep: int, inv_t: float, lazy: bool | None = None
+             ) -> tuple[Tensor, Tensor] | None:
+        """Rows [a, a + T) of the draft cache from the target's pre-norm hidden rows h
+        (T, dim) and the tokens after them, then the tree. Returns (draft token ids, parent
+        indices) with the catch-up's keys and values written and ``st`` advanced; None when
+        this shape is not compiled yet (the caller drafts eager)."""
+        T = h.shape[0]
+        # views into a longer tensor carry a storage offset, which dynamo guards on: inputs
+        # start at offset 0 always, as the warm-up's do, so no request recompiles the graph
+        h = h.clone() if h.storage_offset() else h
+        next_tokens = next_tokens.clone() if next_tokens.storage_offset() else next_tokens
+        shape = (depth, top_k, keep, T > 1, tuple(st.k.shape), h.dtype)
+        fresh = shape not in self._ready
+        if fresh and not (self.compiled.lazy if lazy is None else lazy):
+            return None
+        pos = torch.arange(a, a + T)
+        mask = self.compiled.causal(T, h.dtype) if T > 1 else None
+        k_past, v_past = st.k[:, :a], st.v[:, :a]
+        if fresh:
+            for x in (k_past, v_past):
+                torch._dynamo.maybe_mark_dynamic(x, 1)
+            if T > 1:
+                for x, d in ((h, 0), (next_tokens, 0), (pos, 0), (mask, 0), (mask, 1)):
+                    torch._dynamo.maybe_mark_dynamic(x, d)
+        scale = self._inv_t.get((inv_t, h.dtype))
+        if scale is None:
+            scale = torch.tensor(inv_t, dtype=h.dtype)
+            if len(self._inv_t) < 64:  # requests' temperatures are few; do not grow unbounded
+                self._inv_t[(inv_t, h.dtype)] = scale
+        args = (h, next_tokens, pos, k_past, v_past, mask, scale)
+        aot = self.precompiled.fns.get(shape)
+        if aot is None and fresh and self.precompiled.export_to is not None:  # a build
+            aot = self.precompiled.compile(
+                f"draft_{depth}_{top_k}_{keep}_{'rows' if T > 1 else 'row'}", shape,
+                self._core(depth, top_k, keep), DRAFT_OPTIONS, args)
+            if aot is None:  # another process of the build compiles this one
+                return None
+        if aot is not None:
+            got = self.precompiled(shape, args)
+            if got is None:  # refused by its guards: eager from now on
+                self._ready.discard(shape)
+                return None
+            tokens, parents, root, k_new, v_new = got
+        else:
+            tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(*args)
+        if fresh:
+            self._ready.add(shape)
+        st.k[:, a:a + T] = k_new
+        st.v[:, a:a + T] = v_new
+        st.rows, st.root = a + T, root
+        return tokens, parents
+
+
+# The target's options, and C++ in place of the Python wrapper around the graph's kernels:
+# a draft step is many small kernels (a 6-level chain: ~90), and the wrapper's per-kernel
+# Python was a quarter of its time (one thread, 100 committed rows, the same process: a
+# 6-level chain 588 -> 437 us, the 3/3/8 tree 442 -> 355 us). For the target's passes it
+# made no clear difference (micro.compiled.OPTIONS).
+DRAFT_OPTIONS = {**OPTIONS, "cpp_wrapper": True}
+
+# per compiled target (its CompiledPasses), per head file: built once in a process, whichever
+# request or drafter state comes (a graph's weights are those of the first load)
+_COMPILED_DRAFTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILED_DRAFTS_LOCK = threading.Lock()
+
+
+def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top_k: int,
+                     keep: int):
+    """The draft step's function: ``Eagle.propose``'s catch-up, tree and rerank, with the
+    same arithmetic (tests compare the two)."""
+    from nodraft.micro.compiled import attend_layer, layer_weights
+
+    model = L.model
+    norm = model.norm
+    cos_t, sin_t = model.rope_cos, model.rope_sin
+    w = layer_weights(L.head.layer, wt, "")
+    tok_proj, tok_proj_draft = L.tok_proj, L.tok_proj_draft
+    w_feat_t, w_draft_t, vocab = L.w_feat_t, L.w_draft_t, L.head.draft_vocab
+    N = w_draft_t.shape[1]
+    k1 = min(top_k, N)
+    # a chain's node feeds both its draft head and the next level's fc: one product for both
+    # (each output column is its own in-order sum: the same numbers as two products)
+    w_next = torch.cat([w_draft_t, w_feat_t], dim=1) if k1 == 1 else None
+    sizes = [k1] + [k1 * k1] * (depth - 1)  # nodes generated per level
+    total = sum(sizes)
+    keep = min(keep, total)
+    penalty = torch.cat([torch.full((k,), 1e-9 * d, dtype=torch.float64)
+                         for d, k in enumerate(sizes)])
+    dtype = w_draft_t.dtype
+    neg_inf = float("-inf")
+
+    def catch_up(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor,
+                 v_past: Tensor, mask: Tensor | None):
+        """Rows (token_{t+1}, f_t) for the T new committed positions."""
+        f = F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps)
+        x = tok_proj[next_tokens] + mm(f, w_feat_t)
+        cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]
+        return attend_layer(x, cos, sin, k_past, v_past, mask, w, mm)
+
+    def chain(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
+              mask: Tensor | None, inv_t: Tensor):
+        """top_k = 1: each level's one node is its parent's argmax (the temperature does
+        not move an argmax), and the kept nodes are the chain's first ``keep``."""
+        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
+        T = h.shape[0]
+        root = out[-1:]
+        y = mm(root, w_next)  # the root's draft logits and the next level's feature half
+        idx = y[:, :N].argmax(-1)  # (1,)
+        tokens = [idx]
+        for level in range(2, keep + 1):
+            x = tok_proj_draft[idx] + y[:, N:]
+            at = pos[-1:] + (level - 1)
+            c, s = cos_t[at][:, None, None], sin_t[at][:, None, None]
+            # one row that sees every row before it: no mask
+            f_feat, k_l, v_l = attend_layer(x, c, s, k_past, v_past, None, w, mm, k_blk, v_blk)
+            k_blk, v_blk = torch.cat([k_blk, k_l], dim=1), torch.cat([v_blk, v_l], dim=1)
+            y = mm(f_feat, w_next if level < keep else w_draft_t)
+            idx = y[:, :N].argmax(-1)
+            tokens.append(idx)
+        parents = torch.arange(-1, keep - 1)
+        return vocab[torch.cat(tokens)], parents, root[0], k_blk[:, :T], v_blk[:, :T]
+
+    def core(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
+             mask: Tensor | None, inv_t: Tensor):
+        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
+        T = h.shape[0]
+        root = out[-1:]
+        # level 1: the root's top_k children, the first frontier
+        score, idx = (mm(root, w_draft_t) * inv_t).log_softmax(-1)[0].topk(k1)
+        tokens, scores, frontiers = [idx], [score], []
+        f_idx, f_score, f_feat = idx, score, root.expand(k1, -1)
+        f_nodes = torch.arange(k1)
+        anc = torch.zeros(k1, 0, dtype=torch.bool)
+        eye = torch.eye(k1, dtype=torch.bool)
+        done = k1
+        for level in range(2, depth + 1):
+            x = tok_proj_draft[f_idx] + mm(f_feat, w_feat_t)
+            at = pos[-1:] + (level - 1)  # the frontier's position
+            c, s = cos_t[at][:, None, None], sin_t[at][:, None, None]
+            allowed = torch.cat([torch.ones(k1, T, dtype=torch.bool), anc, eye], dim=1)
+            m = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, neg_inf)
+            out, k_l, v_l = attend_layer(x, c, s, k_past, v_past, m, w, mm, k_blk, v_blk)
+            k_blk, v_blk = torch.cat([k_blk, k_l], dim=1), torch.cat([v_blk, v_l], dim=1)
+            c_score, c_idx = (mm(out, w_draft_t) * inv_t).log_softmax(-1).topk(k1, dim=-1)
+            cum = (f_score[:, None] + c_score).flatten()
+            c_idx = c_idx.flatten()
+            tokens.append(c_idx)
+            scores.append(cum)
+            frontiers.append(f_nodes)
+            if level < depth:
+                best = cum.topk(k1).indices
+                row = best // k1
+                f_nodes, f_idx, f_score, f_feat = done + best, c_idx[best], cum[best], out[row]
+                anc = torch.cat([anc, eye], dim=1)[row]
+            done += k1 * k1
+        # rerank: the best ``keep`` nodes, in level order, parents re-indexed
+        if keep >= total:
+            sel = torch.arange(total)
+        else:
+            sel = (torch.cat(scores).double() - penalty).topk(keep).indices.sort().values
+        kids = [fr.repeat_interleave(k1) for fr in frontiers]
+        parents = torch.cat([torch.full((k1,), total, dtype=torch.long), *kids])[sel]
+        new_index = torch.full((total + 1,), -1, dtype=torch.long)
+        new_index = new_index.index_put((sel,), torch.arange(keep))
+        return vocab[torch.cat(tokens)[sel]], new_index[parents], root[0], k_blk[:, :T], v_blk[:, :T]
+
+    return chain if k1 == 1 else core
+
