@@ -1,15 +1,12 @@
 """``auto``: per step, the drafter and draft length with the best expected goodput.
 
-Goodput is tokens per second. For a candidate draft of k tokens whose tokens are accepted
-with per-token probability ``alpha`` (geometric model), one step emits
-``1 + alpha + alpha**2 + ... + alpha**k`` tokens and takes the drafter's own time plus a
-target pass over ``1 + k`` rows. ``alpha`` is not known but believed: auto keeps a
-Beta(accepted, rejected) belief per candidate and takes the expectation of that sum under
-it, ``1 + sum_j E[alpha**j]`` (``_Estimate.tokens``), not the sum at the belief's mean.
-While the belief is wide the two differ most -- from Beta(1, 1) a 16-token draft expects
-3.4 tokens, at the mean 0.5 only 2.0 -- so a fresh server no longer trims its first
-long matches to a few tokens while it learns. The candidates, and the signals each is
-judged on:
+Goodput is tokens per second, by the one model the engine's batching scheduler uses too
+(``drafters.goodput``): a Beta belief over each candidate's per-token acceptance, the
+expected tokens of a draft under it (``Acceptance.tokens``: while the belief is wide a
+long draft is worth more than at its mean, so a fresh server does not trim its first long
+matches to a few tokens while it learns), and the seconds of the pass that verifies it
+from the table measured on this machine (``drafters.costs.PassCost``) plus the drafter's
+own measured time. The candidates, and the signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
   them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
@@ -22,10 +19,11 @@ judged on:
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 
-``alpha`` is estimated per drafter *and match length* (prompt lookup's n-gram, suffix
-decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together): a 3-gram
-match is accepted far more often than a 1-gram one, and with one figure per drafter the
-1-gram misses trimmed the long matches' drafts. Each belief counts the accepted tokens and
+``alpha`` is estimated per drafter, *match length* (prompt lookup's n-gram, suffix
+decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together) and
+*sampling regime* (``goodput.regime``: greedy, temperature up to 0.85, above): a 3-gram
+match is accepted far more often than a 1-gram one, and a greedy request's acceptance says
+little about a sampled one's. Each belief counts the accepted tokens and
 the rejections of the request's recent steps (decayed: an exponential moving average),
 starting from what earlier requests on this server counted for that key (kept per model),
 so a fresh request starts informed; a fresh server starts every key at Beta(1, 1),
@@ -62,51 +60,11 @@ from nodraft.drafters.registry import Registry
 from nodraft.drafters.suffix import request_index
 from nodraft.drafters import costs
 from nodraft.drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
+from nodraft.drafters.goodput import SERVER_DECAY, Acceptance, best_length, regime
 from nodraft.micro.model import KVCache
 
 CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
-DECAY = 0.85
-
-
-MAX_ALPHA = 0.97  # the most any estimate believes
-
-
-@dataclass
-class _Estimate:
-    """Acceptance of one (drafter, match length), as a Beta(accepted, rejected) belief
-    over the per-token acceptance alpha: pseudo-counts of accepted tokens and of
-    rejections, decayed per observation, starting from Beta(1, 1) (uniform)."""
-
-    accepted: float = 1.0
-    rejected: float = 1.0
-    step: int = 0  # the request step it was last brought up to date (drift, see Auto)
-
-    @property
-    def alpha(self) -> float:
-        return min(MAX_ALPHA, self.accepted / (self.accepted + self.rejected))
-
-    def observe(self, depth: int, accepted: int, decay: float = DECAY) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.rejected = decay * self.rejected + (1.0 if accepted < depth else 0.0)
-
-    def tokens(self, n: int) -> list[float]:
-        """Expected tokens of a step, E[1 + alpha + ... + alpha**k], for k = 0..n, under
-        this belief: E[alpha**j] = prod_{i<j} (a + i) / (a + r + i) for Beta(a, r).
-
-        Not the geometric sum at the mean: alpha**j is convex, so while the belief is wide
-        (a fresh server, a new match length) a long draft is worth more than the mean
-        says -- Beta(1, 1) expects 1/(j + 1) of the j-th token, not 0.5**j -- and auto
-        drafts long enough to learn that a match is good. As the counts grow it tends to
-        the geometric sum at the mean (capped at MAX_ALPHA)."""
-        a = self.accepted
-        r = max(self.rejected, a * (1 - MAX_ALPHA) / MAX_ALPHA)
-        out, m = [1.0], 1.0
-        for i in range(n):
-            m *= (a + i) / (a + r + i)
-            out.append(out[-1] + m)
-        return out
-
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
 
@@ -169,14 +127,14 @@ class Auto(DrafterBase):
         self.env = env
         self.cost: PassCost | None = None  # measured at the first propose
         # server-wide acceptance per (drafter, match length), and drafting seconds
-        self.global_est: dict[tuple[str, int], _Estimate] = env.shared.setdefault("auto_alpha", {})
+        self.global_est: dict[tuple, Acceptance] = env.shared.setdefault("auto_alpha", {})
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
-        self.est: dict[tuple[str, int], _Estimate] = {}  # this request's, same keys
+        self.est: dict[tuple, Acceptance] = {}  # this request's, same keys
         self.step = 0
         self.states: dict[str, dict] = {n: {} for n in self.drafters}
         self._subs: dict[str, DraftContext] = {}
-        self.last: tuple[tuple[str, int], int] | None = None  # (key, depth) of the last draft
-        self.proposals: dict[tuple[str, int], list[int]] = {}  # this step's cheap chains
+        self.last: tuple[tuple, int] | None = None  # (key, depth) of the last draft
+        self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
@@ -192,14 +150,14 @@ class Auto(DrafterBase):
         sub.state = self.states[name]
         return sub
 
-    def _estimate(self, key: tuple[str, int]) -> _Estimate:
+    def _estimate(self, key: tuple) -> Acceptance:
         """This request's estimate for ``key`` (drafter, match length), first copied from
         the server's. Each step it is not updated it drifts 5% back towards the server's
         figure (applied when next read), so a text that turns repetitive is noticed."""
         est = self.est.get(key)
         g = self.global_est.get(key)
         if est is None:
-            est = self.est[key] = dataclasses.replace(g) if g is not None else _Estimate()
+            est = self.est[key] = dataclasses.replace(g) if g is not None else Acceptance()
         elif g is not None and est.step < self.step:
             w = 0.95 ** (self.step - est.step)
             est.accepted = w * est.accepted + (1 - w) * g.accepted
@@ -207,10 +165,10 @@ class Auto(DrafterBase):
         est.step = self.step
         return est
 
-    def _observe(self, key: tuple[str, int], depth: int, accepted: int) -> None:
+    def _observe(self, key: tuple, depth: int, accepted: int) -> None:
         self._estimate(key).observe(depth, accepted)
         self.est[key].step = self.step + 1  # updated this step: no drift for it
-        self.global_est.setdefault(key, _Estimate()).observe(depth, accepted, 0.98)
+        self.global_est.setdefault(key, Acceptance()).observe(depth, accepted, SERVER_DECAY)
 
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
         t0 = time.perf_counter()
@@ -223,34 +181,25 @@ class Auto(DrafterBase):
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
         return tokens / (self.cost(1 + rows) + seconds)
 
-    def _best_length(self, est: _Estimate, n: int) -> tuple[float, int]:
-        """(goodput, k): the chain length k <= n with the best expected goodput."""
-        by_rows = self.cost.by_rows
-        best_g, best_k = 0.0, 0
-        for k, tokens in enumerate(est.tokens(n)[1:], start=1):
-            g = tokens / by_rows[k + 1]
-            if g > best_g:
-                best_g, best_k = g, k
-        return best_g, best_k
-
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
+        reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
         for name in self.cheap:  # not timed: tens of microseconds, spent before any choice
             draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
             if not len(draft):
                 continue
-            key = (name, min(draft.match_len, MAX_MATCH))
+            key = (name, min(draft.match_len, MAX_MATCH), reg)
             est = self._estimate(key)
             if draft.parents is None:  # a chain: trim to the best length
                 tokens = draft.tokens.tolist()
                 self.proposals[key] = tokens
-                g, k = self._best_length(est, len(tokens))
+                g, k = best_length(est, len(tokens), self.cost)
                 if g > best_g:
                     best_key, best_draft, best_g = key, (draft, k), g
             else:
@@ -259,7 +208,7 @@ class Auto(DrafterBase):
                 if g > best_g:
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
         for name in self.trained:
-            key = (name, 0)
+            key = (name, 0, reg)
             est = self._estimate(key)
             # not yet measured on this server: assume a draft step costs one target pass
             # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's 0.7), so it is
@@ -272,8 +221,7 @@ class Auto(DrafterBase):
             # cheap drafter's chain, which is scored every step whether sent or not, a
             # trained drafter's belief is only informed by drafting with it, at a full
             # draft step's cost (EAGLE's first also reads the whole prompt into its cache)
-            alpha = est.alpha
-            g = self._goodput((1 - alpha ** (depth + 1)) / (1 - alpha), rows, seconds)
+            g = self._goodput(est.at_mean(depth), rows, seconds)
             if g > best_g:
                 draft = self._timed(name, ctx, budget)
                 if len(draft):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from nodraft.drafters.auto import MAX_ALPHA, Auto, _Estimate
+from nodraft.drafters.auto import Auto
+from nodraft.drafters.goodput import MAX_ALPHA, Acceptance, best_length
 from nodraft.drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
 from tests.engine.helpers import generate, drafter_env
@@ -13,7 +14,7 @@ MODEL = tiny_model()
 
 def test_expected_tokens_under_a_uniform_belief():
     # Beta(1, 1): E[alpha**j] = 1 / (j + 1), so a step of k drafts expects H(k + 1) tokens
-    tokens = _Estimate(1.0, 1.0).tokens(5)
+    tokens = Acceptance(1.0, 1.0).tokens(5)
     assert tokens == pytest.approx([sum(1 / i for i in range(1, k + 2)) for k in range(6)])
 
 
@@ -24,22 +25,22 @@ def test_expected_tokens_match_the_beta_posterior():
         x = torch.distributions.Beta(torch.tensor(a, dtype=torch.float64),
                                      torch.tensor(r, dtype=torch.float64)).sample((400_000,))
         want = [float(sum((x ** j).mean() for j in range(k + 1))) for k in range(9)]
-        assert _Estimate(a, r).tokens(8) == pytest.approx(want, rel=5e-3)
+        assert Acceptance(a, r).tokens(8) == pytest.approx(want, rel=5e-3)
 
 
 def test_expected_tokens_tend_to_the_geometric_sum_as_the_counts_grow():
     for mean in (0.3, 0.6, 0.9):
-        est = _Estimate(mean * 1e6, (1 - mean) * 1e6)
+        est = Acceptance(mean * 1e6, (1 - mean) * 1e6)
         assert est.tokens(6) == pytest.approx([sum(mean ** j for j in range(k + 1))
                                                for k in range(7)], rel=1e-4)
     # never more sure than MAX_ALPHA, however long the run of acceptances
-    sure = _Estimate(1e6, 0.0).tokens(6)
+    sure = Acceptance(1e6, 0.0).tokens(6)
     assert sure == pytest.approx([sum(MAX_ALPHA ** j for j in range(k + 1)) for k in range(7)],
                                  rel=1e-4)
 
 
 def test_a_wide_belief_expects_more_of_long_drafts_than_its_mean():
-    wide, narrow = _Estimate(1.0, 1.0), _Estimate(100.0, 100.0)  # both mean 0.5
+    wide, narrow = Acceptance(1.0, 1.0), Acceptance(100.0, 100.0)  # both mean 0.5
     assert wide.tokens(16)[16] > narrow.tokens(16)[16] + 1.0
 
 
@@ -79,12 +80,29 @@ def test_acceptance_learned_by_one_request_informs_the_next():
     prompt = [4, 8, 15, 16, 23, 42] * 6
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
     # kept per (drafter, match length): the 3-gram matches of a repeated prompt
-    learned = shared["auto_alpha"][("prompt_lookup", 3)]
+    learned = shared["auto_alpha"][("prompt_lookup", 3, "greedy")]
     assert learned.accepted > 1.0
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
-    assert auto._estimate(("prompt_lookup", 3)).alpha == learned.alpha
-    assert auto._estimate(("prompt_lookup", 7)).alpha == 0.5  # nothing learned there
+    assert auto._estimate(("prompt_lookup", 3, "greedy")).alpha == learned.alpha
+    assert auto._estimate(("prompt_lookup", 7, "greedy")).alpha == 0.5  # nothing learned there
+
+
+def test_beliefs_are_kept_per_sampling_regime():
+    """A greedy request's acceptance does not inform a sampled one's (nor one regime's
+    another's): each (drafter, match length) has a belief per regime."""
+    from nodraft.engine.verify import SamplingParams
+
+    shared: dict = {}
+    prompt = [4, 8, 15, 16, 23, 42] * 6
+    generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
+    assert {k[2] for k in shared["auto_alpha"]} == {"greedy"}
+    generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"},
+             SamplingParams(temperature=1.0, seed=0), shared=shared)
+    assert {k[2] for k in shared["auto_alpha"]} == {"greedy", "t>0.85"}
+    greedy = shared["auto_alpha"][("prompt_lookup", 3, "greedy")]
+    sampled = shared["auto_alpha"][("prompt_lookup", 3, "t>0.85")]
+    assert (greedy.accepted, greedy.rejected) != (sampled.accepted, sampled.rejected)
 
 
 def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitted():
@@ -96,11 +114,11 @@ def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitte
     tokens = [5, 9, 11, 3, 7, 2] * 4
     ctx = DraftContext(list(tokens), len(tokens), MODEL, KVCache(MODEL.config, 1), 0)
     auto.propose(ctx, 16)
-    key = ("prompt_lookup", 3)  # its 3-gram [3 7 2] matched
+    key = ("prompt_lookup", 3, "greedy")  # its 3-gram [3 7 2] matched
     proposal = auto.proposals[key]
     assert proposal[:3] == [5, 9, 11]
     before = (auto.est[key].accepted, auto.est[key].rejected)
-    auto.last = (("suffix", 8), 3)  # as if suffix's draft had been sent instead
+    auto.last = (("suffix", 8, "greedy"), 3)  # as if suffix's draft had been sent instead
     ctx.tokens += [5, 9, 63]  # two draft tokens accepted, then a bonus token
     auto.observe(ctx, [5, 9])
     after = auto.est[key]
@@ -114,10 +132,10 @@ def test_an_estimate_not_updated_drifts_back_to_the_servers_figure():
     shared: dict = {}
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
-    key = ("prompt_lookup", 2)
+    key = ("prompt_lookup", 2, "greedy")
     est = auto._estimate(key)
     est.accepted, est.rejected = 1.0, 9.0  # this request: rarely accepted
-    shared["auto_alpha"][key] = _Estimate(9.0, 1.0)  # the server: mostly accepted
+    shared["auto_alpha"][key] = Acceptance(9.0, 1.0)  # the server: mostly accepted
     auto.step += 10
     drifted = auto._estimate(key)
     w = 0.95 ** 10
@@ -133,8 +151,8 @@ def test_auto_trims_a_chain_where_one_more_token_stops_paying():
     auto = Auto(p, drafter_env(MODEL))
     auto.cost = PassCost({1: 1.0, 2: 1.0, 3: 1.0, 5: 1.0, 9: 2.0, 17: 4.0})
     for a, r, n in ((1, 1, 16), (9, 1, 16), (97, 3, 16), (9, 1, 3), (2, 6, 16)):
-        est = _Estimate(a, r)
-        g, k = auto._best_length(est, n)
+        est = Acceptance(a, r)
+        g, k = best_length(est, n, auto.cost)
         brute = max((est.tokens(j)[j] / auto.cost(j + 1), -j) for j in range(1, n + 1))
         assert (g, k) == (pytest.approx(brute[0]), -brute[1])
 

@@ -1,0 +1,144 @@
+"""One goodput model for every draft decision: an acceptance belief and a pass cost.
+
+Goodput is tokens per second. A step that sends k draft tokens whose tokens are accepted
+with per-token probability ``alpha`` (the geometric model) emits
+``1 + alpha + alpha**2 + ... + alpha**k`` tokens and takes the drafting time plus a target
+pass over its rows. ``alpha`` is not known but believed: ``Acceptance`` is a
+Beta(accepted, rejected) belief over it, and a step's expected tokens are the expectation
+of that sum under it::
+
+    E[tokens(k)] = 1 + sum_{j=1..k} E[alpha**j],   E[alpha**j] = prod_{i<j} (a + i) / (a + r + i)
+
+(``Acceptance.tokens``), not the sum at the belief's mean: alpha**j is convex, so while the
+belief is wide (a fresh server, a new match length) a long draft is worth more than the
+mean says -- Beta(1, 1) expects 1/(j + 1) of the j-th token, not 0.5**j. As the counts grow
+it tends to the geometric sum at the mean, capped at ``MAX_ALPHA``.
+
+Two readers, one model:
+
+- ``auto`` (drafters/auto.py) prices one sequence's candidate drafts with the pass-cost
+  table measured on this machine (``drafters.costs.PassCost``) and keeps the length with
+  the best goodput (``best_length``);
+- the engine's batching scheduler (engine/scheduler.py) gives each sequence its share of a
+  packed pass by the marginal form (``marginal_length``): the j-th draft token is worth its
+  ``E[alpha**j]`` tokens for ``b`` seconds of pass (the pass's per-row cost), against the
+  batch's goodput ``G``; pass seconds are the line ``a + b * rows`` fitted over recent
+  packed passes (``PassFit``): packed passes are other graphs than a lone sequence's, so
+  they are timed as they run.
+
+Both count with the same belief: accepted tokens and rejections of recent steps, decayed
+by ``DECAY`` per observation (an exponential moving average).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # Beta(1, 1): uniform, mean 0.5
+DECAY = 0.85  # per observation, for one sequence's counts
+SERVER_DECAY = 0.98  # per observation, for what a server keeps across requests
+MAX_ALPHA = 0.97  # the most any belief believes
+
+
+@dataclass
+class Acceptance:
+    """A Beta(accepted, rejected) belief over the per-token acceptance alpha: pseudo-counts
+    of accepted tokens and of rejections, decayed per observation."""
+
+    accepted: float = PRIOR_ACCEPTED
+    rejected: float = PRIOR_REJECTED
+    step: int = 0  # for a caller that ages beliefs by steps (auto's drift)
+
+    @property
+    def alpha(self) -> float:
+        """The belief's mean, capped at ``MAX_ALPHA``."""
+        return min(MAX_ALPHA, self.accepted / (self.accepted + self.rejected))
+
+    def observe(self, depth: int, accepted: int, decay: float = DECAY) -> None:
+        """A step drafted ``depth`` deep (a chain's length, a tree's depth) and
+        ``accepted`` of its tokens were kept: a rejection unless all were."""
+        self.accepted = decay * self.accepted + accepted
+        self.rejected = decay * self.rejected + (1.0 if accepted < depth else 0.0)
+
+    def tokens(self, n: int) -> list[float]:
+        """E[1 + alpha + ... + alpha**k] under this belief, for k = 0..n."""
+        a = self.accepted
+        r = max(self.rejected, a * (1 - MAX_ALPHA) / MAX_ALPHA)
+        out, m = [1.0], 1.0
+        for i in range(n):
+            m *= (a + i) / (a + r + i)
+            out.append(out[-1] + m)
+        return out
+
+    def at_mean(self, k: int) -> float:
+        """1 + alpha + ... + alpha**k at the belief's mean (no credit for its width): the
+        value of a draft whose belief only drafting with it can inform."""
+        alpha = self.alpha
+        return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def best_length(belief: Acceptance, n: int, pass_seconds: Callable[[int], float],
+                draft_seconds: float = 0.0) -> tuple[float, int]:
+    """(goodput, k): the chain length k in 1..n with the best expected goodput,
+    ``E[tokens(k)] / (draft_seconds + pass_seconds(1 + k))``; (0, 0) when n < 1."""
+    best_g, best_k = 0.0, 0
+    for k, tokens in enumerate(belief.tokens(n)[1:], start=1):
+        g = tokens / (draft_seconds + pass_seconds(k + 1))
+        if g > best_g:
+            best_g, best_k = g, k
+    return best_g, best_k
+
+
+def marginal_length(tokens: list[float], b: float, draft_seconds: float, G: float) -> int:
+    """Draft tokens for one sequence of a packed pass whose goodput is ``G`` and whose rows
+    cost ``b`` seconds each, given its belief's ``tokens(kmax)``: the longest k whose last
+    token still pays (``E[alpha**k] / b > G``), if the whole draft also repays its drafting
+    time (``(E[tokens(k)] - 1) / (draft_seconds + k * b) > G``); else 0."""
+    kmax = len(tokens) - 1
+    k = 0
+    while k < kmax and (tokens[k + 1] - tokens[k]) / b > G:  # E[alpha**j] falls with j
+        k += 1
+    if k == 0:
+        return 0
+    # every token up to k beats G at the margin, so the whole draft's ratio only grows
+    # with k: if the longest draft does not repay the drafting time, no shorter one does
+    return k if (tokens[k] - 1.0) / (draft_seconds + k * b) > G else 0
+
+
+class PassFit:
+    """Seconds of a packed pass, ``a + b * rows``, fitted by least squares over the recent
+    passes; until 8 are seen, the prior (an eager packed pass of micro on a CPU)."""
+
+    def __init__(self, a: float = 1.5e-3, b: float = 6e-5, window: int = 256):
+        self.prior = (a, b)
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        n = len(self.samples)
+        if n < 8:
+            return self.prior
+        mx = sum(r for r, _ in self.samples) / n
+        my = sum(s for _, s in self.samples) / n
+        sxx = sum((r - mx) ** 2 for r, _ in self.samples)
+        if sxx < 1e-9 * n:  # all passes the same size: keep the prior slope
+            b = self.prior[1]
+            return max(1e-5, my - b * mx), b
+        b = sum((r - mx) * (s - my) for r, s in self.samples) / sxx
+        b = max(b, 1e-6)
+        return max(1e-5, my - b * mx), b
+
+
+def regime(temperature: float) -> str:
+    """The sampling regime a belief is kept for: acceptance under greedy decoding, under
+    mild sampling and under full-temperature sampling differ several-fold for the same
+    drafter and text."""
+    if temperature < 0.05:
+        return "greedy"
+    return "t<=0.85" if temperature <= 0.85 else "t>0.85"
+
