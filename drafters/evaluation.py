@@ -23,6 +23,7 @@ from nodraft.micro.eval import VARIANTS, evaluate, render
 
 def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None = None) -> dict:
     from nodraft.drafters import medusa
+    from nodraft.drafters.medusa_train import evaluate_heads
     from nodraft.drafters.eagle import evaluation as eagle_eval, head as eagle
 
     local = directory / "tokenizer.json"
@@ -37,7 +38,7 @@ def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None 
             continue
         model = load_model(name, directory)
         if mpath.exists():
-            r = medusa.evaluate_heads(model, mpath, heldout, max_tokens=max_tokens or 65_536)
+            r = evaluate_heads(model, mpath, heldout, max_tokens=max_tokens or 65_536)
             entry["medusa"] = {"top1_by_head": r["top1"], "topk_by_head": [a[-1] for a in r["accuracy"]],
                                "top_k": r["top_k"], "tokens": r["tokens"]}
         if epath.exists():

@@ -28,20 +28,73 @@ those held-out accuracies.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 
-from nodraft.drafters.medusa import MedusaHeads, evaluate_heads, save_heads, weights_path
+from nodraft.drafters.medusa import MedusaHeads, heads_from_state, save_heads, weights_path
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
+from nodraft.micro.model import Micro
 from nodraft.micro.train import lr_at
+
+
+# -- held-out accuracy ------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_heads(model: Micro, heads: MedusaHeads | dict | str | Path, stream,
+                   top_k: int = 10, T: int = 512, max_tokens: int = 65_536,
+                   batch: int = 8) -> dict:
+    """Top-1..top-k accuracy of each head on ``stream`` (held-out: ``token_stream(tok,
+    "heldout")``), over consecutive windows of T + 1 tokens; head i at position j is scored
+    against token j + 2 + i of its window. ``heads`` is a MedusaHeads, its state dict, or
+    a ``.safetensors`` path.
+
+    Returns {"tokens", "top_k", "accuracy": [[top-1, ..., top-k] per head], "top1": [per
+    head], "target_top1": the target's own next-token top-1 on the same windows}."""
+    if isinstance(heads, (str, Path)):
+        heads = load_file(str(heads))
+    if isinstance(heads, dict):
+        heads = heads_from_state(heads)
+    dtype = model.tok_embeddings.weight.dtype
+    if heads.weight.dtype != dtype:
+        heads = copy.deepcopy(heads).to(dtype)
+    K, L = heads.num_heads, model.config.n_layers
+    top_k = min(top_k, model.config.vocab_size)
+    ids = torch.as_tensor(np.asarray(stream[:max_tokens + 1]), dtype=torch.long)
+    n_windows = (len(ids) - 1) // T
+    hits = torch.zeros(K, top_k, dtype=torch.long)
+    counts = torch.zeros(K, dtype=torch.long)
+    target_hits = target_count = 0
+    for b in range(0, n_windows, batch):
+        rows = min(batch, n_windows - b)
+        x = torch.stack([ids[(b + r) * T:(b + r + 1) * T + 1] for r in range(rows)])  # (B, T+1)
+        pos = torch.arange(T + 1).expand(rows, T + 1)
+        h = model.run_layers(model.embed(x), pos, 0, L)  # (B, T+1, dim)
+        target_hits += int((model.head(h[:, :-1]).argmax(-1) == x[:, 1:]).sum())
+        target_count += x[:, 1:].numel()
+        for i in range(K):
+            span = T + 1 - (2 + i)  # positions j whose label j + 2 + i is in the window
+            if span <= 0:
+                continue
+            logits = model.head(heads.block(h[:, :span], i))  # (B, span, V)
+            top = logits.topk(top_k, dim=-1).indices  # (B, span, k)
+            found = (top == x[:, 2 + i:, None]).flatten(0, 1)  # (N, k), at most one per row
+            hits[i] += found.cumsum(-1).clamp_max(1).sum(0)
+            counts[i] += found.shape[0]
+    accuracy = [[round(float(hits[i, r]) / max(1, int(counts[i])), 4) for r in range(top_k)]
+                for i in range(K)]
+    return {"tokens": int(n_windows * T), "top_k": top_k, "accuracy": accuracy,
+            "top1": [row[0] for row in accuracy],
+            "target_top1": round(target_hits / max(1, target_count), 4)}
 
 
 def train(args: argparse.Namespace, command: str) -> dict:

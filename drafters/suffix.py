@@ -68,7 +68,7 @@ class SuffixIndex:
     the engine for milliseconds). The trie's node for a matched suffix is the set of the
     suffix's earlier occurrences, so its counts come from grouping those occurrences'
     continuations, for the few nodes a draft needs. Tested equal to a trie
-    (tests/engine/test_suffix.py).
+    (tests/drafters/test_suffix.py).
 
     Two uses: a request's own tokens (``extend``: ``tokens`` is the request's growing list),
     and previous responses (``add`` / ``evict_oldest``: each stored after a ``None``

@@ -47,7 +47,8 @@ import torch
 from nodraft.drafters import costs
 from nodraft.drafters.base import Draft, DrafterEnv, has_hook
 from nodraft.drafters.registry import Registry
-from nodraft.micro.model import KVCache, Micro, Segment, forward_packed
+from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.packed import Segment, forward_packed
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter, hook
-from nodraft.micro.model import KVCache, Micro, Segment
+from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.packed import Segment
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import PositionNoise, derive_seed
 from nodraft.engine.verify import SamplingParams, accept, target_probs

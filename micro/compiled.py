@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nodraft.micro import gemm
-from nodraft.micro.model import additive_mask, apply_rope
+from nodraft.micro.ops import additive_mask, apply_rope
 
 
 

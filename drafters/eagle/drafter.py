@@ -49,7 +49,8 @@ from nodraft.drafters.eagle.compiled import _COMPILED_DRAFTS, _COMPILED_DRAFTS_L
 from nodraft.drafters.eagle.head import (EagleHead, features, forward_cost, load_head_state,
                                          weights_path)
 from nodraft.micro.compiled import MIN_CONTEXT
-from nodraft.micro.model import Micro, additive_mask
+from nodraft.micro.model import Micro
+from nodraft.micro.ops import additive_mask
 
 
 # -- the drafter ------------------------------------------------------------------------------

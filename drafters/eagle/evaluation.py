@@ -14,7 +14,8 @@ from torch import Tensor
 from nodraft.drafters.base import DraftContext, DrafterEnv
 from nodraft.drafters.eagle.drafter import Eagle
 from nodraft.drafters.eagle.head import EagleHead, features, save_head, unroll
-from nodraft.micro.model import Micro, apply_rope
+from nodraft.micro.model import Micro
+from nodraft.micro.ops import apply_rope
 
 
 @torch.no_grad()

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from nodraft.drafters.base import SpeculationError
-from nodraft.micro.model import Block, Micro, MicroConfig, apply_rope, layer_macs
+from nodraft.micro.model import Block, Micro, MicroConfig, layer_macs
+from nodraft.micro.ops import apply_rope
 
 
 def forward_cost(c: MicroConfig, draft_vocab: int) -> float:

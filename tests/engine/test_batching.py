@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from nodraft.drafters.registry import Registry
-from nodraft.micro.model import KVCache, Segment, _offsets, _packed_attention_plan, forward_packed
+from nodraft.micro.model import KVCache
+from nodraft.micro.packed import Segment, _offsets, _packed_attention_plan, forward_packed
 from nodraft.engine.core import Engine, GenerationRequest
 from nodraft.engine.scheduler import DraftScheduler, PassTimer, SeqDraftState
 from nodraft.engine.sequence import tree_attention_mask

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from nodraft.drafters.base import DraftContext
-from nodraft.drafters.medusa import (Medusa, MedusaHeads, build_tree, evaluate_heads, head_cost,
-                             rank_accuracies, save_heads, weights_path, write_untrained)
+from nodraft.drafters.medusa import (Medusa, MedusaHeads, build_tree, head_cost, rank_accuracies,
+                                     save_heads, weights_path, write_untrained)
+from nodraft.drafters.medusa_train import evaluate_heads
 from nodraft.drafters.registry import DrafterEnv, SpeculationError
 from nodraft.micro.checkpoint import save_model
 from nodraft.micro.model import KVCache, Micro, MicroConfig

@@ -1,0 +1,32 @@
+"""The operations micro's eager passes (micro/model.py), its compiled passes
+(micro/compiled.py) and the EAGLE head share: rotary tables and their application, and
+SDPA's additive mask. One definition, so the graphs compute what the eager code does."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rope_tables(config) -> tuple[Tensor, Tensor]:
+    """cos, sin: (max_positions, head_dim) in the rotate-half layout; cos's halves repeated,
+    sin's first half negated (``apply_rope``'s signed table)."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) / half))
+    angles = torch.arange(config.max_positions, dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = angles.cos().float(), angles.sin().float()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """SDPA's float form of a boolean mask: 0 where ``allowed``, -inf elsewhere (for the
+    short query blocks of verification, SDPA runs it faster than the boolean mask on CPU)."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE: x * cos + [-x2, x1] * sin. With ``sin`` the signed table of
+    ``rope_tables`` ([-sin, sin]) that is x * cos + roll(x, D/2) * sin: the same numbers,
+    bit for bit, in two fewer operations (chunk, neg, cat become one roll).
+    x: (..., D); cos, sin broadcast to it."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

@@ -1,0 +1,170 @@
+"""Continuous batching's pass: many sequences' blocks (``Segment``) in one target pass over
+a shared KV cache (``forward_packed``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.ops import apply_rope
+
+
+@dataclass
+class Segment:
+    """One sequence's rows in a packed pass: ids at cache rows [start, start+T) of ``slot``,
+    rotary positions ``pos`` (a tree's nodes share positions by depth), and ``mask``, the
+    (T, T) attention within the segment (None = causal). The segment also sees its slot's
+    rows [0, start). ``logits`` False skips the head (prefill chunks)."""
+
+    slot: int
+    start: int
+    ids: Tensor  # (T,) int64
+    pos: Tensor  # (T,) int64
+    mask: Tensor | None = None
+    logits: bool = True
+
+    def __len__(self) -> int:
+        return int(self.ids.numel())
+
+
+NARROW = 16  # segments up to this many rows share one padded attention call
+
+
+def _packed_attention_plan(segments: list[Segment], offsets: list[int], n_rows: int):
+    """Index maps and masks for one packed pass, built once and reused by every layer.
+
+    Narrow segments (current tokens and the drafts being verified) attend in groups, one
+    SDPA call per group: the one-row segments together, the longer ones together, so the
+    sequences that are not drafting (most of a large batch) are never padded to the
+    longest draft. A group is a batch over its slots, queries padded to its longest
+    segment, keys up to its longest context: read in place from the cache (a view of the
+    slot range, no copy) when the group fills at least half of that range, gathered
+    otherwise; a boolean (B, 1, Tq, ctx) mask. Wide segments (prefill chunks) attend one
+    by one, each with its own causal mask.
+    """
+    narrow = [i for i, s in enumerate(segments) if len(s) <= NARROW]
+    wide = [i for i, s in enumerate(segments) if len(s) > NARROW]
+    plan = {"wide": [], "narrow": []}
+    for i in wide:
+        s = segments[i]
+        T = len(s)
+        m = torch.ones(T, s.start + T, dtype=torch.bool).tril(s.start)
+        if s.mask is not None:
+            m[:, s.start:] = s.mask
+        plan["wide"].append((torch.arange(offsets[i], offsets[i] + T), s.slot, s.start + T, m))
+    for members in ([i for i in narrow if len(segments[i]) == 1],
+                    [i for i in narrow if len(segments[i]) > 1]):
+        if members:
+            plan["narrow"].append(_narrow_group(segments, members, offsets, n_rows))
+    return plan
+
+
+def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int],
+                  n_rows: int) -> tuple:
+    """(slots, lo, hi, Tq, ctx, src, mask, rows, dest) for one group: ``slots`` None reads
+    the slot range [lo, hi) in place, else the cache rows of those slots are gathered."""
+    lo = min(segments[i].slot for i in members)
+    hi = max(segments[i].slot for i in members) + 1
+    gather = 2 * len(members) < hi - lo
+    # each member's batch index: its place in the group, or its slot's offset in the range
+    where = list(range(len(members))) if gather else [segments[i].slot - lo for i in members]
+    B = len(members) if gather else hi - lo
+    Tq = max(len(segments[i]) for i in members)
+    ctx = max(segments[i].start + len(segments[i]) for i in members)
+    # built from Python lists and broadcasts: a handful of tensor ops whatever the batch
+    src = [n_rows] * (B * Tq)  # n_rows = a zero row
+    starts, lens = [0] * B, [0] * B
+    rows, dest = [], []
+    for i, b in zip(members, where):
+        s = segments[i]
+        T = len(s)
+        starts[b], lens[b] = s.start, T
+        src[b * Tq: b * Tq + T] = range(offsets[i], offsets[i] + T)
+        rows.extend(range(offsets[i], offsets[i] + T))
+        dest.extend(range(b * Tq, b * Tq + T))
+    t = torch.arange(Tq)[None, :, None]
+    key = torch.arange(ctx)[None, None, :]
+    start_b = torch.tensor(starts)[:, None, None]
+    # row t of a chain sees the slot's committed rows and its own rows up to t
+    mask = (t < torch.tensor(lens)[:, None, None]) & (key <= start_b + t)
+    mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
+    for i, b in zip(members, where):
+        s = segments[i]
+        if s.mask is not None:  # a tree: its own mask within the segment
+            mask[b, :len(s), s.start:s.start + len(s)] = s.mask
+    slots = torch.tensor([segments[i].slot for i in members]) if gather else None
+    return (slots, lo, hi, Tq, ctx, torch.tensor(src), mask[:, None], torch.tensor(rows),
+            torch.tensor(dest))
+
+
+@torch.inference_mode()
+def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
+                   ) -> list[tuple[Tensor | None, Tensor]]:
+    """ONE target pass over every segment: per segment, (logits (T, V) or None, final
+    hidden (T, dim)). The linear layers see all rows packed together (one matmul per
+    weight for the whole batch); attention keeps each sequence to its own slot. Keys and
+    values are written to each segment's rows; committed lengths do not change.
+    """
+    c = model.config
+    H, D = c.n_heads, c.head_dim
+    ids = torch.cat([s.ids for s in segments])
+    pos = torch.cat([s.pos for s in segments])
+    N = ids.numel()
+    slot_idx = torch.tensor([s.slot for s in segments for _ in range(len(s))])
+    row_idx = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])
+    offsets = _offsets(segments)
+    plan = _packed_attention_plan(segments, offsets, N)
+    cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
+    h = model.tok_embeddings(ids)  # (N, dim)
+    for li, layer in enumerate(model.layers):
+        an, fn = layer.attention_norm, layer.ffn_norm
+        x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
+        qkv = F.linear(x, layer.attention.wqkv.weight).view(N, 3, H, D)
+        qk = apply_rope(qkv[:, :2], cos, sin)  # (N, 2, H, D)
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]
+        k_cache, v_cache = cache.k[li], cache.v[li]  # (slots, H, max_len, D)
+        k_cache[slot_idx, :, row_idx] = k.to(k_cache.dtype)
+        v_cache[slot_idx, :, row_idx] = v.to(v_cache.dtype)
+        y = torch.empty(N, H, D, dtype=q.dtype)
+        for rows, slot, end, m in plan["wide"]:
+            yw = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None],
+                                                k_cache[slot, :, :end][None],
+                                                v_cache[slot, :, :end][None], attn_mask=m)
+            y[rows] = yw[0].transpose(0, 1)
+        if plan["narrow"]:
+            q0 = torch.cat([q, q.new_zeros(1, H, D)])  # the zero row pads short segments
+        for slots, lo, hi, Tq, ctx, src, mask, rows, dest in plan["narrow"]:
+            B = hi - lo if slots is None else slots.numel()
+            qp = q0[src].view(B, Tq, H, D).transpose(1, 2)
+            if slots is None:
+                keys, values = k_cache[lo:hi, :, :ctx], v_cache[lo:hi, :, :ctx]
+            else:
+                keys = k_cache[:, :, :ctx].index_select(0, slots)
+                values = v_cache[:, :, :ctx].index_select(0, slots)
+            yn = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
+            y[rows] = yn.transpose(1, 2).reshape(B * Tq, H, D)[dest]
+        h = h + F.linear(y.view(N, H * D), layer.attention.wo.weight)
+        h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
+    if any(s.logits for s in segments):
+        sel = torch.tensor([r for s, o in zip(segments, offsets) if s.logits
+                            for r in range(o, o + len(s))])
+        logits = model.head(h[sel])
+    out, j = [], 0
+    for s, o in zip(segments, offsets):
+        lg = None
+        if s.logits:
+            lg, j = logits[j:j + len(s)], j + len(s)
+        out.append((lg, h[o:o + len(s)]))
+    return out
+
+
+def _offsets(segments: list[Segment]) -> list[int]:
+    out, o = [], 0
+    for s in segments:
+        out.append(o)
+        o += len(s)
+    return out
