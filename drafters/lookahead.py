@@ -68,38 +68,13 @@ for every drafter (not counted). The lookahead branch is m extra rows of that sa
 m = (N-1)·W - 1 once the window is full (W + N - 3 at the first step). By FLOPs each row is
 a whole 1-token pass, so a compute-bound device pays m. micro on a CPU is far from
 compute-bound: a pass over T rows takes about ``1 + ROW_COST·(T - 1)`` times a 1-token pass
-(``benchmarks/lookahead.py`` on the 2-core development machine: 1.17x at T = 2, 1.54x at 8,
-1.99x at 16, 2.74x at 32, 4.22x at 64; least squares 0.049 and 0.054 in two runs), so the
+(``benchmarks/lookahead.py``; docs/BENCHMARKS.md, "Choosing lookahead's defaults"), so the
 model is ``cost = ROW_COST · m`` with ROW_COST = 0.05. The default window (m = 7) costs 0.35
 of a pass per step; the reference's W = 7, N = 5 (m = 27) 1.35; llama.cpp's W = 15
 (m = 59) 2.95.
 
-**Defaults**, measured on micro (``python benchmarks/lookahead.py --tokens 128``: 128 greedy
-tokens, measured speed-up = none's time / lookahead's, runs alternated, median of 5; the
-machine was loaded, so measured figures move by about 0.15 between runs)::
-
-    W  N  G   seed   fresh: tok/pass  est.  measured   repeating: tok/pass  est.  measured
-    2  5  4   yes           2.21      1.64  0.97-1.27             4.57      3.43  2.19-2.29
-    1  5  4   yes           2.03      1.76  1.10-1.29             4.57      3.97  2.18-2.37
-    2  4  4   yes           1.97      1.58  1.06-1.10             3.76      3.04  1.93-2.37
-    2  6  4   yes           2.17      1.50  0.94-0.96             5.33      3.68  2.11-2.29
-    3  5  7   yes           2.33      1.51  0.95-1.09             4.57      3.02  1.55-2.11
-    4  4  4   yes           2.00      1.30  0.82-0.95             3.76      2.47  1.59-1.86
-    7  5  7   yes           2.33      1.00  0.66-0.80             4.57      2.04  1.33-1.66
-    15 5  15  yes           2.61      0.68  0.62                  4.57      1.23  0.97
-    2  5  4   no            1.60      1.19  0.90                  3.28      2.45  1.84
-    7  5  7   no            2.03      0.88  0.61-0.77             3.66      1.59  0.94-1.16
-
-(ranges: two to four separate runs). What it shows: on micro most of the gain comes from
-the pool's n-grams of the text itself (seeded against unseeded: 2.21 against 1.60 tokens
-per pass on fresh text); the window alone does find n-grams micro goes on to produce (up
-to 2.03 and 3.66 tokens per pass with W = 7), but on a CPU its rows cost more than the
-extra tokens repay beyond W = 2: the reference's 7/5/7 and llama.cpp's 15/5/15 are slower
-than plain decoding on fresh text. N = 5 beats 4 (longer n-grams to accept) and 6 (longer
-misses). W = 1 and W = 2 tie within the noise; the default is W = 2, N = 5, G = 4, the
-higher tokens per pass of the two (2.21 against 2.03 on fresh text), which is what carries
-over to a device where rows are cheaper. Prompt lookup, which costs nothing and drafts up
-to 8 tokens, stays ahead on this CPU (1.45x and 3.55x in docs/BENCHMARKS.md).
+**Defaults**: W = 2, N = 5, G = 4, the pool seeded from the prompt, chosen by
+``benchmarks/lookahead.py`` (docs/BENCHMARKS.md, "Choosing lookahead's defaults").
 """
 
 from __future__ import annotations

@@ -1,22 +1,22 @@
 """Compiled cache passes: one sequence's block through micro's layers as one ``torch.compile``
 graph.
 
-On this CPU a 1-token pass of eager micro is almost all per-operation cost: ~200 small
-kernels and views at 1-10 us each against ~230 us of matrix multiplies. Inductor fuses the
-norms, rotary embeddings, softmax and SwiGLU into a few C++ loops around the matmuls and
-halves the pass (1.04 -> 0.48 ms measured, one thread, 100 cached rows).
+On a CPU a 1-token pass of eager micro is mostly per-operation cost: ~200 small kernels
+and views around a few matrix products. Inductor fuses the norms, rotary embeddings,
+softmax and SwiGLU into a few C++ loops around the products (the measured passes:
+docs/ARCHITECTURE.md, "Compiled passes"; docs/BENCHMARKS.md, "What a pass costs").
 
 What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
 
 - **The KV cache stays outside the graph.** The graph reads the slot's committed rows
   ``[0, start)`` as a view and returns the block's new keys and values; two copies write
   them after the call. A cache mutated inside the graph is copied whole by inductor's
-  functionalisation (5.7 ms a step).
+  functionalisation.
 - **Weights laid out (in, out).** The graphs multiply by contiguous (in, out) copies of
   the weights (``transposed_weights``), which MKL multiplies a few rows by faster than
   the (out, in) originals ``F.linear`` reads transposed.
 - **Products by nodraft::mm** (micro/gemm.py) where it builds: a few-row AVX-512 kernel,
-  0.51-0.70x MKL's cost at 2-9 rows, and batch-invariant; otherwise ``torch.mm``.
+  cheaper than MKL's at 2-9 rows, and batch-invariant; otherwise ``torch.mm``.
 - **Attention is split at the cache boundary.** Scores against the cached rows and against
   the block itself (under the block's mask: causal for chains, the tree for trees) are
   soft-maxed together, then each part weights its own values. No concatenation of the
@@ -28,7 +28,7 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   block length -- marked dynamic, so one graph serves every context and every chain or
   tree. Every other size (heads, widths, the cache's strides) stays a constant the
   generated loops are vectorised over. ``warm_up`` compiles the families up front. The
-  marking (``maybe_mark_dynamic``, ~100 us a call) happens only at that first pass.
+  marking (``maybe_mark_dynamic``, not free) happens only at that first pass.
 - **Built once, loaded after.** With ``export_to`` set, a family is compiled with
   ``torch.compile``'s AOT precompilation and saved (``Precompiled``); ``load`` reads saved
   families into another process, where they run at once, untraced. The server does this
@@ -39,8 +39,8 @@ The numbers differ from eager micro in the last bits (fused reductions), as eage
 already differs between a 1-row and a k-row pass. Prompts are prefilled eagerly, and a
 pass whose family is not compiled yet (or whose cached prefix is under two rows) runs
 eager. Speculative and plain greedy decoding stay token-for-token equal all the same:
-tests/engine/test_compiled.py runs every drafter on micro-layerskip with compiled
-passes.
+tests/server/test_server_compiled.py runs every drafter on both checkpoints with the
+compiled passes a server loads.
 """
 
 from __future__ import annotations
@@ -76,11 +76,10 @@ def configure_dynamo() -> None:
 
 
 # size_asserts off: inductor checks the size and strides of every extern kernel's output
-# (the products and the bmms: up to 25 calls a pass) with a Python-level call after it. A debugging
-# aid; our kernels' outputs are fixed by their schemas. Same process, alternated, one
-# thread: a 1-row pass 400 -> 357 us (100 cached rows) and 472 -> 417 (300), 2 rows 8-10%
-# faster, 3-17 rows level. (``cpp_wrapper``, which drops the Python wrapper altogether,
-# showed no clear gain in decodes -- mixed, within the noise -- and compiles 20% longer.)
+# (the products and the bmms: up to 25 calls a pass) with a Python-level call after it, a
+# debugging aid; our kernels' outputs are fixed by their schemas, and 1- and 2-row passes
+# measured faster without it (docs/ARCHITECTURE.md, "Compiled passes"). ``cpp_wrapper``
+# showed no clear gain for these passes and compiles longer (EAGLE's draft step uses it).
 #
 # freezing off: frozen parameters become constants of the generated code, so a saved graph
 # would carry its model's weights and be valid for that checkpoint only; as graph inputs

@@ -5,6 +5,7 @@ then imports from that folder with ``site`` off, so neither this checkout nor an
 install can answer for it."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -16,11 +17,26 @@ import pytest
 ROOT = Path(__file__).parents[1]
 
 
+def source_tree(dest: Path) -> Path:
+    """The checkout's files (tracked, and untracked but not ignored) copied to ``dest``:
+    a build in place would leave ``build/`` in the checkout, whose stale files (modules
+    since removed) setuptools would pack into later wheels."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    src = source_tree(tmp_path_factory.mktemp("src"))
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                           "-q", "-w", str(out), str(ROOT)], capture_output=True, text=True,
+                           "-q", "-w", str(out), str(src)], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr
     (found,) = out.glob("nodraft-*.whl")

@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 class CompiledDraft:
     """A draft step -- the catch-up and the whole tree, rerank included -- as one
     ``torch.compile`` graph per tree shape (depth, top_k, kept nodes), for targets whose
-    passes are compiled (``Micro.compile``). Eager, a step of the old default 3/3/8 tree is ~60
-    small operations and took 1.47 ms of CPU time against 0.73 ms for the 8-row pass
-    that verifies it; inductor fuses the norms, masks, rotations, softmaxes and top-k
+    passes are compiled (``Micro.compile``). Eager, a step is ~60 small operations;
+    inductor fuses the norms, masks, rotations, softmaxes and top-k
     bookkeeping into a few loops around the layer's products (``micro.compiled.attend_layer``,
     the target's own layer code, on (in, out) copies of the head's weights, with the
     target's product, ``micro.gemm``).
@@ -138,10 +137,8 @@ class CompiledDraft:
 
 
 # The target's options, and C++ in place of the Python wrapper around the graph's kernels:
-# a draft step is many small kernels (a 6-level chain: ~90), and the wrapper's per-kernel
-# Python was a quarter of its time (one thread, 100 committed rows, the same process: a
-# 6-level chain 588 -> 437 us, the 3/3/8 tree 442 -> 355 us). For the target's passes it
-# made no clear difference (micro.compiled.OPTIONS).
+# a draft step is many small kernels, and the wrapper's per-kernel Python was a large share
+# of its time (docs/BENCHMARKS.md, "Choosing EAGLE's defaults").
 DRAFT_OPTIONS = {**OPTIONS, "cpp_wrapper": True}
 
 # per compiled target (its CompiledPasses), per head file: built once in a process, whichever
