@@ -31,7 +31,7 @@ uniform. A cheap drafter's chain that auto did not send is scored too, against t
 the pass emitted (its matching prefix; a mismatch within them counts as a rejection), so a
 drafter passed over once is not stuck at its prior. A belief not updated for a while is
 pulled back towards the server-wide one, so a text that turns repetitive is noticed. The
-drafters share one n-gram index of the request (``drafters.suffix.request_index``), built
+drafters share one n-gram index of the request (``drafters.ngrams.request_index``), built
 once a step.
 
 Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
@@ -57,7 +57,7 @@ import torch
 from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
                                   close_drafter)
 from nodraft.drafters.registry import Registry
-from nodraft.drafters.suffix import request_index
+from nodraft.drafters.ngrams import request_index
 from nodraft.drafters import costs
 from nodraft.drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
 from nodraft.drafters.goodput import SERVER_DECAY, Acceptance, best_length, regime

@@ -150,7 +150,7 @@ class DraftContext:
     # possible. None: unseeded, or greedy.
     draw: Callable[[Tensor, int], int] | None = None
     aux_logits: Tensor | None = None  # (m, V) the last pass's logits of Draft.aux.tokens
-    # the request's n-gram index over ``tokens`` (drafters.suffix.request_index), shared
+    # the request's n-gram index over ``tokens`` (drafters.ngrams.request_index), shared
     # by the match-based drafters
     ngrams: object | None = None
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
-from nodraft.drafters.suffix import request_index
+from nodraft.drafters.ngrams import request_index
 
 
 class PromptLookup(DrafterBase):

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from nodraft.drafters.base import DraftContext
 from nodraft.drafters.registry import DrafterEnv
-from nodraft.drafters.suffix import SuffixDecoding, SuffixIndex, grow_tree
+from nodraft.drafters.ngrams import SuffixIndex, grow_tree
+from nodraft.drafters.suffix import SuffixDecoding
 from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
 

@@ -1,0 +1,195 @@
+"""The n-gram index of token sequences that the match-based drafters share: suffix decoding
+reads it as a depth-limited suffix tree, prompt lookup as where each n-gram ends, and
+``auto`` builds it once a step for both (``request_index``)."""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from nodraft.drafters.base import DraftContext
+
+
+def grow_tree(root, max_nodes: int, min_prob: float, children
+              ) -> tuple[list[int], list[int], float]:
+    """Best-first tree from ``root``: (tokens, parents, expected accepted length).
+    ``children(node)`` lists (token, count, child node); a child's probability is its
+    parent's times count / the sum of its siblings' counts."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    score = 0.0
+    heap: list = []
+    counter = 0
+
+    def push(node, parent_idx: int, parent_prob: float) -> None:
+        nonlocal counter
+        kids = children(node)
+        total = sum(c for _, c, _ in kids)
+        for t, c, child in kids:
+            p = parent_prob * c / max(total, 1)
+            if p >= min_prob:
+                counter += 1
+                heapq.heappush(heap, (-p, counter, t, child, parent_idx))
+
+    push(root, -1, 1.0)
+    while heap and len(tokens) < max_nodes:
+        negp, _, t, child, parent_idx = heapq.heappop(heap)
+        tokens.append(t)
+        parents.append(parent_idx)
+        score += -negp
+        push(child, len(tokens) - 1, -negp)
+    return tokens, parents, score
+
+
+class SuffixIndex:
+    """Token sequences, read as a depth-limited suffix trie over them (every substring of
+    up to ``max_depth`` tokens, with occurrence counts), kept as an index of where each
+    n-gram (n <= ``K``) ends: ``K`` dict insertions a token where a trie takes
+    ``max_depth`` (a trie over the request's tokens, updated every step, was half of
+    ``auto``'s per-step time on repeating text; adding a response to the global one stalled
+    the engine for milliseconds). The trie's node for a matched suffix is the set of the
+    suffix's earlier occurrences, so its counts come from grouping those occurrences'
+    continuations, for the few nodes a draft needs. Tested equal to a trie
+    (tests/drafters/test_suffix.py).
+
+    Two uses: a request's own tokens (``extend``: ``tokens`` is the request's growing list),
+    and previous responses (``add`` / ``evict_oldest``: each stored after a ``None``
+    separator, so no match or continuation crosses from one response into the next).
+    Positions are absolute; ``base`` is the position of ``tokens[0]`` once evicted
+    responses are cut away."""
+
+    K = 4  # the default: the longest n-gram looked up directly; longer matches extend
+    # Occurrences read per match: the most recent ones. A common n-gram (an indentation
+    # run) occurs thousands of times in a store of 256 responses, and a match reads each
+    # of its occurrences; the trie, which counted them all, paid at insertion instead.
+    MAX_OCCURRENCES = 64
+
+    def __init__(self, max_occurrences: int = MAX_OCCURRENCES, k: int = K):
+        self.max_occurrences = max_occurrences
+        self.K = k
+        self.tokens: list = []
+        self.base = 0
+        self.ends: dict[tuple, list[int]] = {}  # n-gram -> end positions, ascending
+        self.indexed = -1  # the request's own: last end position indexed
+        self.stored: deque = deque()  # previous responses: (start, length), oldest first
+
+    def _index(self, start: int, first_end: int, last_end: int, sign: int = 1) -> None:
+        """(Un)index the n-grams ending at first_end..last_end of a sequence at ``start``."""
+        toks, base, ends, k = self.tokens, self.base, self.ends, self.K
+        for end in range(first_end, last_end + 1):
+            for n in range(1, min(k, end - start + 1) + 1):
+                key = tuple(toks[end - n + 1 - base:end + 1 - base])
+                if sign > 0:
+                    ends.setdefault(key, []).append(end)
+                else:  # the oldest occurrence is the first
+                    at = ends[key]
+                    del at[0]
+                    if not at:
+                        del ends[key]
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index the request's own tokens (the list the request appends to): every n-gram
+        ending before the current token, ``tokens[-1]``, which is only a continuation."""
+        self.tokens = tokens
+        self._index(0, self.indexed + 1, len(tokens) - 2)
+        self.indexed = max(self.indexed, len(tokens) - 2)
+
+    def add(self, response: list[int]) -> None:
+        self.tokens.append(None)
+        start = self.base + len(self.tokens)
+        self.tokens.extend(response)
+        self.stored.append((start, len(response)))
+        self._index(start, start, start + len(response) - 2)
+
+    def evict_oldest(self) -> None:
+        start, length = self.stored.popleft()
+        self._index(start, start, start + length - 2, sign=-1)
+        cut = (self.stored[0][0] if self.stored else self.base + len(self.tokens)) - self.base
+        if cut > len(self.tokens) // 2:  # drop the evicted tokens once they are the most
+            del self.tokens[:cut]
+            self.base += cut
+
+    def match(self, query: list[int], max_len: int) -> tuple[list[int], int]:
+        """(where the continuations of the longest suffix of ``query`` (<= max_len) with
+        one start, its length)."""
+        n, toks, base = len(query), self.tokens, self.base
+        for m in range(min(self.K, max_len, n), 0, -1):
+            ends = self.ends.get(tuple(query[n - m:]))
+            if ends:
+                break
+        else:
+            return [], 0
+        if len(ends) > self.max_occurrences:
+            ends = ends[-self.max_occurrences:]
+        if m < self.K:
+            return [e + 1 for e in ends], m
+        # extend each occurrence of the K-gram backwards, up to max_len
+        best, starts, limit = m, [], min(max_len, n)
+        tail = query[n - limit:]
+        for e in ends:
+            if e - base - limit + 1 >= 0 and toks[e - base - limit + 1:e - base + 1] == tail:
+                length = limit  # the whole way (one comparison in C: loops are common)
+            else:
+                length = m
+                while (length < limit and e - length >= base
+                       and toks[e - length - base] == query[n - 1 - length]):
+                    length += 1
+            if length > best:
+                best, starts = length, [e + 1]
+            elif length == best:
+                starts.append(e + 1)
+        return starts, best
+
+    def draft(self, query: list[int], max_len: int, max_nodes, min_prob: float,
+              max_depth: int):
+        """The continuation tree under the longest matched suffix of ``query`` in a
+        ``max_depth`` trie: (tokens, parents, expected accepted length, match length), or
+        None without a match. ``max_nodes(m)`` is the node budget for a match of length m."""
+        starts, m = self.match(query, max_len)
+        if not m:
+            return None
+        toks, base, depth_left = self.tokens, self.base, max_depth - m
+        size = base + len(toks)
+
+        def follow(positions: list[int]) -> list[tuple[int, int]]:  # (token, position)
+            return [(t, p) for p in positions if p < size and (t := toks[p - base]) is not None]
+
+        def children(node):  # node: (continuation positions, depth below the match)
+            positions, depth = node
+            if depth >= depth_left:
+                return []
+            groups: dict[int, list[int]] = {}
+            for t, p in follow(positions):
+                groups.setdefault(t, []).append(p + 1)
+            return [(t, len(g), (g, depth + 1)) for t, g in groups.items()]
+
+        # While every occurrence continues alike, the tree is a chain of probability 1:
+        # walked directly (on repeating text, most drafts), the heap only past a fork.
+        limit = max_nodes(m)
+        chain, positions = [], starts
+        while len(chain) < limit and len(chain) < depth_left:
+            live = follow(positions)
+            if not live:
+                break
+            t = live[0][0]
+            if len(live) > 1 and any(u != t for u, _ in live):
+                break
+            chain.append(t)
+            positions = [p + 1 for _, p in live]
+        k = len(chain)
+        rest, parents, score = grow_tree((positions, k), limit - k, min_prob, children)
+        return (chain + rest, list(range(-1, k - 1)) + [q + k if q >= 0 else k - 1 for q in parents],
+                k + score, m)
+
+
+def request_index(ctx: DraftContext, k: int | None = None) -> SuffixIndex:
+    """The request's own n-gram index, brought up to date: one per request, kept on the
+    context (``ctx.ngrams``) so that every match-based drafter reading it -- suffix
+    decoding, prompt lookup, both under ``auto`` -- pays its upkeep once. ``k``: the
+    longest n-gram the caller looks up (an index with shorter ones is rebuilt); suffix
+    decoding works with any."""
+    index = ctx.ngrams
+    if index is None or (k is not None and index.K < k):
+        index = ctx.ngrams = SuffixIndex(k=k or SuffixIndex.K)
+    index.extend(ctx.tokens)
+    return index
