@@ -138,10 +138,9 @@ class Auto(DrafterBase):
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
-        """The request's context with this drafter's own state. One object per drafter,
-        refreshed field by field: with ``dataclasses.replace`` per call (four candidates
-        observe every step) auto's observe took 50 us a step, now 28 (cProfile, 32
-        streams)."""
+        """The request's context with this drafter's own state: one object per drafter,
+        refreshed field by field (cheaper than ``dataclasses.replace`` per call, with
+        four candidates observing every step)."""
         sub = self._subs.get(name)
         if sub is None:
             sub = self._subs[name] = copy.copy(ctx)

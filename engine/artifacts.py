@@ -328,8 +328,7 @@ def build_workers(serving: bool = False) -> int:
     """How many processes compile side by side by default: ``NODRAFT_BUILD_WORKERS``, else
     one per usable core, at most 4 (each holds a compiler's memory, about a GB) -- half as
     many for a server's build (``serving``), which leaves the other half to the requests
-    it serves meanwhile: on 2 cores, two compiling processes made the eager requests
-    served meanwhile 1.27x slower at the median (docs/BENCHMARKS.md, "First start")."""
+    it serves meanwhile (docs/BENCHMARKS.md, "First start")."""
     if os.environ.get("NODRAFT_BUILD_WORKERS"):
         return max(1, int(os.environ["NODRAFT_BUILD_WORKERS"]))
     try:

@@ -399,15 +399,11 @@ def transposed_weights(model) -> dict[str, Tensor]:
     (7 MB for micro, taken when the first graph is built; the eager passes keep the
     originals).
 
-    ``F.linear`` reads an (out, in) weight transposed; MKL multiplies a row by an (in, out)
-    matrix faster (one thread: the 4096-way head 72 -> 42 us, the widest layer matrix 11
-    -> 8.5 us). Whole compiled passes, run back to back with the originals
-    (``benchmarks/passes.py``, one thread, 100 cached rows): 1, 2, 3, 5, 9 and 17 rows
-    487 -> 406, 762 -> 642, 962 -> 778, 1075 -> 1008, 1336 -> 1235 and 1859 -> 1692 us.
-    (Alone, the product of 4 to 16 rows is a little faster with the originals. Graphs of
-    many rows on the originals and of few on the copies lost all the same: a decode
-    alternates the two, and one set of weights fell out of the cache while the other was
-    read -- prompt lookup and suffix decoding 6-8% slower on the repeating prompt.)"""
+    ``F.linear`` reads an (out, in) weight transposed; MKL multiplies a few rows by an
+    (in, out) matrix faster, and every compiled pass size measured faster on the copies
+    (``benchmarks/passes.py``; docs/ARCHITECTURE.md, "Compiled passes"). One set of copies
+    for every graph: mixing layouts by row count lost, as a decode alternates the sizes
+    and one set of weights falls out of the cache while the other is read."""
     with torch.no_grad():
         out = {"head": model.tok_embeddings.weight.t().contiguous()}
         for name, p in model.layers.named_parameters():

@@ -1,17 +1,11 @@
 """``nodraft::mm``: the matrix product of the compiled passes, for the few rows they carry.
 
 A decode step multiplies 1 row by each weight matrix; a verification pass 2-17. MKL's
-sgemm, which ``torch.mm`` calls, is built for large products: on this CPU (AVX-512, one
-thread) a 2-row product over micro's five matrix shapes costs 1.9x the 1-row one, and 3
-rows 2.7x, though every row reads the same weights (the five products of micro's matrices
-in a row, hot cache, 142 / 265 / 383 us at 1 / 2 / 3 rows). ``csrc/gemm.cpp`` holds a tile
-of up to 6 rows by 64 columns in registers and reads each weight once for all of its
-rows. Whole compiled passes, the two products alternated in one run
-(``benchmarks/passes.py``, one thread, docs/passes.json), nodraft::mm's time over
-torch.mm's:
-
-    rows                     1     2     3     5     9     17
-    nodraft::mm / torch.mm   0.87  0.70  0.62  0.51  0.56  0.66
+sgemm, which ``torch.mm`` calls, is built for large products: a 2-row product costs far
+more than a 1-row one though every row reads the same weights. ``csrc/gemm.cpp`` holds a
+tile of up to 6 rows by 64 columns in registers and reads each weight once for all of its
+rows. Whole compiled passes with each product, alternated in one run:
+``benchmarks/passes.py`` (docs/passes.json; docs/BENCHMARKS.md, "What a pass costs").
 
 It is also **batch-invariant**: every output element is one sum over k in order, however
 many rows the call has and however its columns are split between threads
