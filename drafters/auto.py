@@ -23,21 +23,16 @@ own measured time. The candidates, and the signals each is judged on:
 decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together) and
 *sampling regime* (``goodput.regime``: greedy, temperature up to 0.85, above): a 3-gram
 match is accepted far more often than a 1-gram one, and a greedy request's acceptance says
-little about a sampled one's. Each belief counts the accepted tokens and the rejections of
-the request's recent steps (decayed: an exponential moving average), starting from what
-earlier requests on this server counted for that key (kept per model), so a fresh request
-starts informed; a key the server has nothing for starts from its drafter's other match
-lengths in that regime, pooled at Beta(1, 1)'s strength (uniform when there are none), so
-a fresh server learns a regime once per drafter. Where nothing pays for several steps in a
-row auto stops consulting its candidates for 1, 2, 4, ... 16 steps (doubling), and
-consults every step again once a draft is accepted: on text where no draft pays (most
-high-temperature sampling) it then costs plain decoding and the candidates' upkeep, not
-every candidate's proposal every step. A cheap drafter's chain that auto did not send is
-scored too, against the tokens the pass emitted (its matching prefix; a mismatch within
-them counts as a rejection), so a drafter passed over once is not stuck at its prior. A
-belief not updated for a while is pulled back towards the server-wide one, so a text that
-turns repetitive is noticed. The drafters share one n-gram index of the request
-(``drafters.ngrams.request_index``), built once a step.
+little about a sampled one's. Each belief counts the accepted tokens and
+the rejections of the request's recent steps (decayed: an exponential moving average),
+starting from what earlier requests on this server counted for that key (kept per model),
+so a fresh request starts informed; a fresh server starts every key at Beta(1, 1),
+uniform. A cheap drafter's chain that auto did not send is scored too, against the tokens
+the pass emitted (its matching prefix; a mismatch within them counts as a rejection), so a
+drafter passed over once is not stuck at its prior. A belief not updated for a while is
+pulled back towards the server-wide one, so a text that turns repetitive is noticed. The
+drafters share one n-gram index of the request (``drafters.ngrams.request_index``), built
+once a step.
 
 Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
 rows, interpolated), measured once per model at the first ``auto`` step (in that
@@ -72,9 +67,6 @@ CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
-POOLED_WEIGHT = 2.0  # pseudo-counts a new key's belief takes from its drafter's others
-BACKOFF_AFTER = 4  # steps in a row where nothing paid before auto stops consulting
-BACKOFF_MAX = 16  # the longest pause, in steps
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -139,7 +131,6 @@ class Auto(DrafterBase):
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
         self.est: dict[tuple, Acceptance] = {}  # this request's, same keys
         self.step = 0
-        self.misses, self.backoff, self.resume_at = 0, 1, 0  # see _nothing_paid
         self.states: dict[str, dict] = {n: {} for n in self.drafters}
         self._subs: dict[str, DraftContext] = {}
         self.last: tuple[tuple, int] | None = None  # (key, depth) of the last draft
@@ -158,31 +149,14 @@ class Auto(DrafterBase):
         sub.state = self.states[name]
         return sub
 
-    def _prior(self, key: tuple) -> Acceptance:
-        """The belief a key starts from when the server has learnt nothing for it: what
-        its drafter's other match lengths in the same regime have counted, pooled, at the
-        strength of Beta(1, 1) (``POOLED_WEIGHT`` pseudo-counts: the mean carries, the
-        certainty does not); Beta(1, 1) when there is nothing to pool. A fresh server then
-        learns a regime once per drafter, not once per match length."""
-        name, _, reg = key
-        acc = rej = 0.0
-        for (n, _, r), b in self.global_est.items():
-            if n == name and r == reg:
-                acc, rej = acc + b.accepted, rej + b.rejected
-        if acc + rej <= 0.0:
-            return Acceptance()
-        s = POOLED_WEIGHT / (acc + rej)
-        return Acceptance(acc * s, rej * s)
-
     def _estimate(self, key: tuple) -> Acceptance:
-        """This request's estimate for ``key`` (drafter, match length, regime), first
-        copied from the server's (or ``_prior``). Each step it is not updated it drifts 5%
-        back towards the server's figure (applied when next read), so a text that turns
-        repetitive is noticed."""
+        """This request's estimate for ``key`` (drafter, match length), first copied from
+        the server's. Each step it is not updated it drifts 5% back towards the server's
+        figure (applied when next read), so a text that turns repetitive is noticed."""
         est = self.est.get(key)
         g = self.global_est.get(key)
         if est is None:
-            est = self.est[key] = dataclasses.replace(g) if g is not None else self._prior(key)
+            est = self.est[key] = dataclasses.replace(g) if g is not None else Acceptance()
         elif g is not None and est.step < self.step:
             w = 0.95 ** (self.step - est.step)
             est.accepted = w * est.accepted + (1 - w) * g.accepted
@@ -193,10 +167,7 @@ class Auto(DrafterBase):
     def _observe(self, key: tuple, depth: int, accepted: int) -> None:
         self._estimate(key).observe(depth, accepted)
         self.est[key].step = self.step + 1  # updated this step: no drift for it
-        g = self.global_est.get(key)
-        if g is None:
-            g = self.global_est[key] = self._prior(key)
-        g.observe(depth, accepted, SERVER_DECAY)
+        self.global_est.setdefault(key, Acceptance()).observe(depth, accepted, SERVER_DECAY)
 
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
         t0 = time.perf_counter()
@@ -211,9 +182,6 @@ class Auto(DrafterBase):
 
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        if self.step < self.resume_at:  # backing off: nothing has paid lately
-            self.last, self.proposals = None, {}
-            return _NONE
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
@@ -259,33 +227,16 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            self._nothing_paid()
             return _NONE
         draft, k = best_draft
         draft = draft.prefix(k, method=best_key[0])
         self.last = (best_key, max(draft.depths()))
         return draft
 
-    def _nothing_paid(self) -> None:
-        """A step where no candidate was worth drafting, or whose draft was all rejected:
-        after ``BACKOFF_AFTER`` in a row, auto stops consulting its candidates for a
-        while (1, 2, 4, ... up to ``BACKOFF_MAX`` steps, doubling each time), so text
-        where nothing pays -- most of high-temperature sampling -- costs plain decoding
-        plus the candidates' upkeep, not their every-step proposals."""
-        self.misses += 1
-        if self.misses >= BACKOFF_AFTER:
-            self.resume_at = self.step + 1 + self.backoff
-            self.backoff = min(2 * self.backoff, BACKOFF_MAX)
-            self.misses = 0
-
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         if self.last is not None:
             key, depth = self.last
             self._observe(key, depth, len(accepted))
-            if accepted:  # a draft paid something: consult every step again
-                self.misses, self.backoff = 0, 1
-            else:
-                self._nothing_paid()
         # the cheap chains not sent are judged against the tokens the pass did emit, so a
         # drafter auto passed over is still measured (else its estimate would stay at the
         # prior and it would never be picked again)

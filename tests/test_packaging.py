@@ -35,9 +35,9 @@ def source_tree(dest: Path) -> Path:
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     src = source_tree(tmp_path_factory.mktemp("src"))
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                           "--no-build-isolation", "-q", "-w", str(out), str(src)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(out), str(src)], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr
     (found,) = out.glob("nodraft-*.whl")
     return found
@@ -64,8 +64,7 @@ def test_installed_modules_are_not_bare_top_level_names(wheel, tmp_path):
     assert done.returncode == 0, done.stderr
     # -S: no site module, so no .pth file (an editable install's finder) is read; the
     # dependencies come from this interpreter's site-packages, nodraft only from the wheel
-    path = [str(target), sysconfig.get_paths()["purelib"]]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
     script = ("import importlib.util, nodraft.server.cli, nodraft.micro.checkpoint as c\n"
               "print(nodraft.server.cli.__file__)\n"
               "print(c.load_tokenizer(c.CHECKPOINT_DIR / 'tokenizer.json').encode('def f')[:1])\n"

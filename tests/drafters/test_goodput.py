@@ -28,9 +28,7 @@ def test_best_length_is_the_brute_force_best():
         belief = Acceptance(a, r)
         for draft_s in (0.0, 0.5):
             g, k = best_length(belief, 16, cost, draft_s)
-            def value(j):
-                return belief.tokens(j)[j] / (draft_s + cost(j + 1)), -j
-            want = max(range(1, 17), key=value)
+            want = max(range(1, 17), key=lambda j: (belief.tokens(j)[j] / (draft_s + cost(j + 1)), -j))
             assert k == want
             assert g == pytest.approx(belief.tokens(k)[k] / (draft_s + cost(k + 1)))
 
