@@ -7,6 +7,7 @@
     nodraft bench    [--models ...] [--regimes ...]       the workload suite, greedy and sampled
     nodraft train    tokenizer | micro | medusa | eagle ...
     nodraft export-hf DIR [--model NAME]
+    nodraft export-gguf FILE [--model NAME] [--type f32|q8_0]
     nodraft loadtest --url URL --concurrency N --requests M [--json]
 
 Each subcommand lives with its package; this module only dispatches (imports are lazy, so
@@ -25,6 +26,7 @@ COMMANDS = {
     "workshop": ("nodraft.clients.workshop", "main", "the course's table, measured"),
     "bench": ("nodraft.clients.bench", "main", "the workload suite: every drafter, greedy and sampled, by category"),
     "export-hf": ("nodraft.micro.export", "main", "write micro as a Hugging Face LlamaForCausalLM"),
+    "export-gguf": ("nodraft.micro.gguf", "main", "write micro as a GGUF file (llama.cpp), f32 or q8_0"),
     "loadtest": ("nodraft.clients.loadtest", "main", "load-test a running server"),
 }
 TRAIN = {

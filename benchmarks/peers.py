@@ -1,0 +1,703 @@
+"""Peers: nodraft against llama.cpp and transformers on micro, greedy and sampled.
+
+    python benchmarks/peers.py [--llama-server PATH] [--tokens 128] [--rounds 5]
+                               [--threads 1] [--ttft-requests 15] [--out docs/peers.json]
+
+Needs the ``peers`` extra (``pip install -e '.[peers]'``: llama-cpp-python with its server,
+transformers); never a CI dependency. micro is exported once to GGUF (``nodraft
+export-gguf``, f32 and q8_0) and to Hugging Face (``nodraft export-hf``, micro and
+micro-layerskip), and every system runs the same weights, ``--threads`` threads each:
+
+    nodraft served       ``nodraft serve`` (compiled passes, waited for), /v1/completions
+    nodraft in process   ``engine.core.Engine`` in a worker process (compiled alike)
+    llama-server         native, when ``--llama-server PATH`` is given: plain (f32 and
+                         q8_0) and its n-gram speculation (``--spec-type ngram-simple``,
+                         ``ngram-mod``), ``/completion`` with token ids
+    llama-cpp-python     in a worker process (``Llama.generate``; plain and its
+                         ``LlamaPromptLookupDecoding``), and its OpenAI server
+                         (``python -m llama_cpp.server``)
+    transformers         ``generate()`` in a worker process: plain, prompt lookup
+                         (``prompt_lookup_num_tokens``) and, on micro-layerskip, early exit
+                         (``assistant_early_exit``)
+
+Three parts, each alternated over ``--rounds`` rounds (odd rounds in reverse order, so
+drift on a shared machine hits every system alike); medians over rounds, and ratios
+taken within a round, reported as median and range:
+
+1. **plain**: ``none`` and every peer's plain decoding, ``--tokens`` tokens, 1 stream
+   (one prompt) and 8 (eight prompts at once; the in-process llama-cpp-python and
+   transformers decode one sequence at a time and have 1-stream rows only), greedy and
+   sampled (temperature 0.8, top-k and top-p off, the round's seed): generated tokens/s
+   over the wall time of all streams, and each stream's time to first token; every
+   server streams (as a chat client would), and nodraft served and llama-server (f32) are
+   also asked for the whole response at once (not streamed: no per-token chunks for the
+   client to read);
+2. **ttft**: time to first streamed token on the three servers, median of
+   ``--ttft-requests`` for a 4-token prompt and for prompts of 60-160 tokens;
+3. **drafters**: 1 stream on the workshop's two prompts (``clients.measure``: *fresh* and
+   *repeating*), greedy and sampled (temperature 0.8, seeded): every nodraft drafter,
+   served and in process, beside llama-server's n-gram speculation, llama-cpp-python's
+   prompt lookup and transformers' prompt lookup and early exit; each over its own plain
+   decoding (same system, same round) and tokens/s.
+
+Greedy, every system's tokens are checked against nodraft's in-process ``none`` (token ids
+where the system returns them, else the text), and reported, not asserted: a peer whose
+greedy text differs is a finding. Sampled, nodraft served and in process, every drafter,
+are checked against nodraft's in-process ``none`` for the same seed (the seed a served
+request's first choice samples with: drafter invariance, and served = in process); the
+peers' samplers draw other numbers and are not compared. llama-cpp-python's server returns
+text only: its tokens are counted by encoding the text again. In-process nodraft drafters start every request from a
+fresh server's state; the served ones keep what the server learnt in earlier requests
+(suffix decoding's store of responses, ``auto``'s estimates), as a server asked the same
+thing again would. llama-server is sent ``cache_prompt: false`` and llama-cpp-python's
+in-process ``Llama`` is reset before each request, so every system prefills each prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import LONG_PROMPTS, PROMPT, SHORT_PROMPT, free_port, wait_ready  # noqa: E402
+
+from nodraft.clients.measure import default_prompts  # noqa: E402
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_tokenizer  # noqa: E402
+
+TEMPERATURE = 0.8
+STREAMS = (1, 8)
+NODRAFT_DRAFTERS = [("micro", "prompt_lookup"), ("micro", "suffix"), ("micro", "lookahead"),
+                    ("micro", "medusa"), ("micro", "eagle"), ("micro", "auto"),
+                    ("micro-layerskip", "early_exit")]
+LLAMA_SPEC = {"ngram-simple": ["--spec-type", "ngram-simple"],
+              "ngram-mod": ["--spec-type", "ngram-mod"]}
+PROMPT_LOOKUP_TOKENS = 10  # transformers' and llama-cpp-python's documented example value
+EARLY_EXIT_LAYER = 2  # nodraft's early_exit default
+LCP_SERVER = "llama-cpp-python-server"
+
+
+def eight_prompts() -> list[str]:
+    p = default_prompts()
+    return [PROMPT, *LONG_PROMPTS, p["fresh"], p["repeating"], SHORT_PROMPT + "\n", PROMPT + "    "]
+
+
+# -- systems ---------------------------------------------------------------------------------
+class Result(dict):
+    """seconds (wall, all streams), tokens (per stream: ids, or None), texts (per stream),
+    ttft (per stream, seconds, or None)."""
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self["counts"])
+
+
+class Worker:
+    """A system in a process of its own: ``python benchmarks/peers.py --worker KIND`` reads
+    one JSON request a line and answers each with a JSON ``Result``."""
+
+    def __init__(self, kind: str, args: argparse.Namespace, extra: dict):
+        cmd = [sys.executable, __file__, "--worker", kind, "--threads", str(args.threads),
+               "--worker-config", json.dumps(extra)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            raise RuntimeError(f"worker {kind} did not start: {line!r}")
+
+    def run(self, **request) -> Result:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        out = json.loads(self.proc.stdout.readline())
+        if "error" in out:
+            raise RuntimeError(out["error"])
+        return Result(out)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def sampling_fields(temperature: float, seed: int) -> dict:
+    return {"temperature": temperature, "top_p": 1.0, "seed": seed}
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict, parse) -> tuple:
+    t0 = time.perf_counter()
+    first, ids, text = None, [], []
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: {r.status_code} {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            got_ids, got_text = parse(json.loads(line[6:]))
+            if got_ids or got_text:
+                first = first or time.perf_counter() - t0
+            ids += got_ids or []
+            text.append(got_text or "")
+    return first, ids, "".join(text)
+
+
+class NodraftServer:
+    """``/v1/completions`` with token ids; streamed (the tokens' ids from nodraft's chunk
+    extension) or not (the text, and ``usage``'s count)."""
+
+    def __init__(self, url: str, stream: bool = True):
+        self.stream = stream
+        self.client = httpx.AsyncClient(base_url=url, timeout=600,
+                                        limits=httpx.Limits(max_connections=16))
+
+    @staticmethod
+    def _parse(chunk: dict):
+        toks = [t["id"] for t in chunk.get("nodraft", {}).get("tokens", [])]  # {id, text, origin}
+        return toks, "".join(c.get("text", "") for c in chunk.get("choices", []))
+
+    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method):
+        body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens,
+                "stream": self.stream, "speculation": method, **sampling_fields(temperature, seed)}
+        if self.stream:
+            return await _stream(self.client, "/v1/completions", body, self._parse) + (None,)
+        r = (await self.client.post("/v1/completions", json=body)).json()
+        return None, None, r["choices"][0]["text"], r["usage"]["completion_tokens"]
+
+
+class LlamaServer:
+    """Native llama-server's own ``/completion``: token ids in, token ids out."""
+
+    def __init__(self, url: str, stream: bool = True):
+        self.stream = stream
+        self.client = httpx.AsyncClient(base_url=url, timeout=600,
+                                        limits=httpx.Limits(max_connections=16))
+
+    @staticmethod
+    def _parse(chunk: dict):
+        return chunk.get("tokens", []), chunk.get("content", "")
+
+    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method):
+        body = {"prompt": prompt_ids, "n_predict": tokens, "stream": self.stream,
+                "cache_prompt": False, "return_tokens": True, "min_p": 0.0,
+                "top_k": 1 if temperature == 0 else 0, **sampling_fields(temperature, seed)}
+        if self.stream:
+            return await _stream(self.client, "/completion", body, self._parse) + (None,)
+        r = (await self.client.post("/completion", json=body)).json()
+        return None, r["tokens"], r["content"], None
+
+
+class LlamaCppPythonServer:
+    """llama-cpp-python's OpenAI server: text in, text out (one chunk per token)."""
+
+    def __init__(self, url: str):
+        self.client = httpx.AsyncClient(base_url=url, timeout=600,
+                                        limits=httpx.Limits(max_connections=16))
+
+    @staticmethod
+    def _parse(chunk: dict):
+        texts = [c.get("text") for c in chunk.get("choices", []) if c.get("finish_reason") is None]
+        return [], "".join(t for t in texts if t)
+
+    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method):
+        body = {"prompt": prompt_text, "max_tokens": tokens, "stream": True, "min_p": 0.0,
+                "top_k": 1 if temperature == 0 else 0, "repeat_penalty": 1.0,
+                **sampling_fields(temperature, seed)}
+        first, _, text = await _stream(self.client, "/v1/completions", body, self._parse)
+        return first, None, text, None
+
+
+RETRIES = {"stale_connections": 0}
+
+
+async def one_retried(system, *args):
+    """``system.one``, sent again once if the server had closed the kept-alive connection
+    (llama.cpp's HTTP server closes one idle for a few seconds; httpx finds out on use)."""
+    try:
+        return await system.one(*args)
+    except httpx.RemoteProtocolError:
+        RETRIES["stale_connections"] += 1
+        return await system.one(*args)
+
+
+async def served_run(system, model: str, prompts: list[tuple[list[int], str]], tokens: int,
+                     temperature: float, seed: int, method: str, tok) -> Result:
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one_retried(system, model, ids, text, tokens, temperature,
+                                              seed + i, method)
+                                  for i, (ids, text) in enumerate(prompts)))
+    seconds = time.perf_counter() - t0
+    # the count: the ids, else the server's own count, else the text encoded again
+    counts = [n if n is not None else len(ids) if ids is not None else len(tok.encode(text))
+              for _, ids, text, n in outs]
+    return Result(seconds=seconds, tokens=[o[1] for o in outs], texts=[o[2] for o in outs],
+                  ttft=[o[0] for o in outs], counts=counts)
+
+
+def start(cmd: list[str], name: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"peers-{name}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            env=env or os.environ.copy())
+    return proc, log.name
+
+
+def wait_http(proc: subprocess.Popen, log: str, url: str, path: str, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    with httpx.Client() as c:
+        while time.monotonic() < end:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{url} exited: " + Path(log).read_text()[-3000:])
+            try:
+                if c.get(url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise RuntimeError(f"{url}{path}: not up after {timeout} s")
+
+
+# -- workers -----------------------------------------------------------------------------------
+def worker(kind: str, threads: int, config: dict) -> None:
+    """``engine``: nodraft in process (micro and micro-layerskip); ``llamacpp``:
+    llama-cpp-python's ``Llama`` on a GGUF file; ``hf``: transformers' ``generate()``."""
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, cores[:threads])  # the first cores, as the served engine's
+    if kind == "engine":
+        run = _engine_worker(threads, config)
+    elif kind == "llamacpp":
+        run = _llamacpp_worker(threads, config)
+    else:
+        run = _hf_worker(threads, config)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            out = run(**req)
+        except Exception as e:  # reported to the driver, which stops
+            out = {"error": f"{kind}: {type(e).__name__}: {e}"}
+        print(json.dumps(out), flush=True)
+
+
+def _engine_worker(threads: int, config: dict):
+    """The engine as the server builds it (engine.process): its checkpoints, 8 slots, the
+    compiled passes built for this machine loaded (built first if there are none)."""
+    import torch
+
+    from nodraft.engine.launch import EngineConfig
+    from nodraft.engine.process import build_engine, start_warm_up
+    from nodraft.engine.sampling import derive_seed
+    from nodraft.engine.verify import SamplingParams
+    from nodraft.engine.core import GenerationRequest
+
+    torch.set_num_threads(threads)
+    ck = Path(config["checkpoints"])
+    tok = load_tokenizer(ck / "tokenizer.json")
+    cfg = EngineConfig(str(ck), max_running=8, max_waiting=8, threads=threads, compile=True,
+                       log_level="warning")
+    engine = build_engine(cfg)
+    registry = engine.registry
+    engine.start()
+    start_warm_up(engine, cfg)
+    while not engine.compiled_ready:
+        if engine.compiled_error is not None:
+            raise RuntimeError(engine.compiled_error)
+        time.sleep(0.5)
+
+    def run(model, prompts, tokens, temperature, seed, method):
+        engine.shared.clear()  # a fresh server's drafter state for every request
+        meth, params = registry.parse({"method": method})
+        done = [threading.Event() for _ in prompts]
+        ids: list[list[int]] = [[] for _ in prompts]
+        ttft: list[float | None] = [None] * len(prompts)
+        errors: list[str] = []
+
+        def callback(i):
+            def cb(ev):
+                if ev.kind == "step":
+                    if ttft[i] is None:
+                        ttft[i] = time.perf_counter() - t0
+                    ids[i].extend(ev.step.tokens)
+                elif ev.kind in ("finish", "error"):
+                    if ev.kind == "error":
+                        errors.append(ev.error)
+                    done[i].set()
+            return cb
+
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            # the seed a served request's first choice samples with (server.api)
+            engine.submit(GenerationRequest(model, p, tokens,
+                                            SamplingParams(temperature, seed=derive_seed(seed + i, 0)),
+                                            method=meth, params=params), callback(i))
+        for d in done:
+            d.wait()
+        seconds = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(errors[0])
+        return {"seconds": seconds, "tokens": ids, "texts": [tok.decode(x) for x in ids],
+                "ttft": ttft, "counts": [len(x) for x in ids]}
+    return run
+
+
+def _llamacpp_worker(threads: int, config: dict):
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    kw = dict(model_path=config["gguf"], n_ctx=1024, n_batch=512, n_threads=threads,
+              n_threads_batch=threads, verbose=False)
+    llms = {"none": llama_cpp.Llama(**kw),
+            "prompt_lookup": llama_cpp.Llama(**kw, draft_model=LlamaPromptLookupDecoding(
+                num_pred_tokens=PROMPT_LOOKUP_TOKENS))}
+    eos = llms["none"].token_eos()
+    atexit.register(lambda: [llm.close() for llm in llms.values()])
+
+    def run(model, prompts, tokens, temperature, seed, method):
+        assert len(prompts) == 1, "llama-cpp-python's Llama decodes one sequence"
+        llm = llms[method]
+        llm.reset()  # prefill the whole prompt, as every other system here
+        llm.set_seed(seed)
+        sample = ({"temp": 0.0, "top_k": 1} if temperature == 0 else
+                  {"temp": temperature, "top_k": 0})
+        out, ttft = [], None
+        t0 = time.perf_counter()
+        for t in llm.generate(prompts[0], top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                              reset=True, **sample):
+            ttft = ttft or time.perf_counter() - t0
+            if t == eos:
+                break
+            out.append(t)
+            if len(out) == tokens:
+                break
+        seconds = time.perf_counter() - t0
+        return {"seconds": seconds, "tokens": [out],
+                "texts": [llm.detokenize(out).decode("utf-8", "replace")], "ttft": [ttft],
+                "counts": [len(out)]}
+    return run
+
+
+def _hf_worker(threads: int, config: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    tok = load_tokenizer(Path(config["checkpoints"]) / "tokenizer.json")
+    models = {name: AutoModelForCausalLM.from_pretrained(path).eval()
+              for name, path in config["hf"].items()}
+
+    def run(model, prompts, tokens, temperature, seed, method):
+        assert len(prompts) == 1, "one sequence: generate() pads a batch"
+        hf = models[model]
+        ids = torch.tensor([prompts[0]])
+        kw = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+              if temperature else {"do_sample": False})
+        if method == "prompt_lookup":
+            kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+        elif method == "early_exit":
+            kw["assistant_early_exit"] = EARLY_EXIT_LAYER
+        torch.manual_seed(seed)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(ids, max_new_tokens=tokens, pad_token_id=tok.eot_id, **kw)
+        seconds = time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        if new and new[-1] == tok.eot_id:
+            new = new[:-1]
+        return {"seconds": seconds, "tokens": [new], "texts": [tok.decode(new)],
+                "ttft": [None], "counts": [len(new)]}
+    return run
+
+
+# -- checks and figures ------------------------------------------------------------------------
+def agreement(res: Result, ref: list[list[int]], tok) -> dict:
+    """How many of each stream's tokens equal the reference's, from the start (the text's
+    characters where the system returns no ids)."""
+    if all(t is not None for t in res["tokens"]):
+        same = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), min(len(t), len(r)))
+                for t, r in zip(res["tokens"], ref)]
+        return {"equal": all(s == len(r) == len(t) for s, t, r in zip(same, res["tokens"], ref)),
+                "tokens_equal_from_start": same, "of": [len(r) for r in ref], "by": "ids"}
+    texts = [tok.decode(r) for r in ref]
+    same = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), min(len(t), len(r)))
+            for t, r in zip(res["texts"], texts)]
+    return {"equal": all(t == r for t, r in zip(res["texts"], texts)),
+            "chars_equal_from_start": same, "of": [len(r) for r in texts], "by": "text"}
+
+
+def spread(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def ratio_rows(runs: dict, pairs: dict[str, tuple[str, str]]) -> dict:
+    """name -> (numerator key, denominator key): per-round tokens/s ratios with spread."""
+    out = {}
+    for name, (a, b) in pairs.items():
+        if a in runs and b in runs:
+            xs = [x / y for x, y in zip(runs[a], runs[b]) if y > 0]
+            if xs:
+                out[name] = spread(xs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", help="path of a native llama-server binary")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="compute threads of every system")
+    p.add_argument("--ttft-requests", type=int, default=15)
+    p.add_argument("--parts", default="plain,ttft,drafters")
+    p.add_argument("--out")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--worker-config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.threads, json.loads(args.worker_config))
+        return
+    asyncio.run(driver(args, argv))
+
+
+async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
+    import llama_cpp
+
+    from nodraft.micro.export import export as export_hf
+    from nodraft.micro.gguf import export as export_gguf
+
+    parts = set(args.parts.split(","))
+    tmp = Path(tempfile.mkdtemp(prefix="nodraft-peers-"))
+    ck = CHECKPOINT_DIR
+    tok = load_tokenizer(ck / "tokenizer.json")
+    gguf = {ft: export_gguf(tmp / f"micro-{ft}.gguf", "micro", ck, ft) for ft in ("f32", "q8_0")}
+    hf = {name: str(export_hf(tmp / f"hf-{name}", name, ck)) for name in ("micro", "micro-layerskip")}
+    cores = sorted(os.sched_getaffinity(0))
+    results: dict = {
+        "command": "python benchmarks/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"), "cpus": len(cores), "machine": platform.machine(),
+        "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+        "temperature_sampled": TEMPERATURE, "llama_cpp_python": llama_cpp.__version__}
+    procs: list[subprocess.Popen] = []
+    workers: dict[str, Worker] = {}
+    try:
+        # servers
+        port = free_port()
+        nd_cmd = [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
+                  "--threads", str(args.threads), "--max-running", "8", "--checkpoints", str(ck),
+                  "--compile", "true", "--log-level", "warning"]
+        nd_proc, nd_log = start(nd_cmd, "nodraft")
+        procs.append(nd_proc)
+        systems: dict = {"nodraft": NodraftServer(f"http://127.0.0.1:{port}"),
+                         "nodraft-unstreamed": NodraftServer(f"http://127.0.0.1:{port}", False)}
+        waits = [("nodraft", nd_proc, nd_log, f"http://127.0.0.1:{port}", None)]
+        llama_servers = {}
+        if args.llama_server:
+            version = subprocess.run([args.llama_server, "--version"], capture_output=True,
+                                     text=True).stderr.strip().splitlines()
+            results["llama_server_version"] = version[-2:] if version else None
+            configs = {"llama-server": ("f32", []), "llama-server-q8_0": ("q8_0", []),
+                       **{f"llama-server-{k}": ("f32", v) for k, v in LLAMA_SPEC.items()}}
+            for name, (ft, extra) in configs.items():
+                lport = free_port()
+                cmd = [args.llama_server, "-m", str(gguf[ft]), "--host", "127.0.0.1",
+                       "--port", str(lport), "-t", str(args.threads), "-tb", str(args.threads),
+                       "-c", str(8 * 1024), "-np", "8", "--no-ui", *extra]
+                proc, log = start(cmd, name)
+                procs.append(proc)
+                llama_servers[name] = cmd
+                systems[name] = LlamaServer(f"http://127.0.0.1:{lport}")
+                if name == "llama-server":
+                    systems["llama-server-unstreamed"] = LlamaServer(f"http://127.0.0.1:{lport}", False)
+                waits.append((name, proc, log, f"http://127.0.0.1:{lport}", "/health"))
+        results["llama_server_commands"] = llama_servers
+        lport = free_port()
+        lcp_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf["f32"]),
+                   "--host", "127.0.0.1", "--port", str(lport), "--n_threads", str(args.threads),
+                   "--n_threads_batch", str(args.threads), "--n_ctx", "1024",
+                   "--interrupt_requests", "False"]  # queue concurrent requests, as documented
+        proc, log = start(lcp_cmd, "llama-cpp-python-server")
+        procs.append(proc)
+        systems["llama-cpp-python-server"] = LlamaCppPythonServer(f"http://127.0.0.1:{lport}")
+        waits.append(("llama-cpp-python-server", proc, log, f"http://127.0.0.1:{lport}", "/v1/models"))
+        # workers (in process)
+        workers["nodraft-in-process"] = Worker("engine", args, {"checkpoints": str(ck)})
+        workers["llama-cpp-python"] = Worker("llamacpp", args, {"gguf": str(gguf["f32"])})
+        workers["transformers"] = Worker("hf", args, {"checkpoints": str(ck), "hf": hf})
+        for name, proc, log, url, path in waits:
+            if path is None:
+                wait_ready({name: (proc, url, log)})
+            else:
+                wait_http(proc, log, url, path)
+            print(f"{name} up", file=sys.stderr, flush=True)
+        os.sched_setaffinity(0, cores[-1:])  # the client: on the core the API process keeps
+
+        async def run(system: str, model: str, prompts: list[tuple[list[int], str]],
+                      temperature: float, seed: int, method: str) -> Result:
+            if system in workers:
+                return workers[system].run(model=model, prompts=[i for i, _ in prompts],
+                                           tokens=args.tokens, temperature=temperature,
+                                           seed=seed, method=method)
+            return await served_run(systems[system], model, prompts, args.tokens, temperature,
+                                    seed, method, tok)
+
+        # the greedy reference: nodraft in process, none
+        texts8 = eight_prompts()
+        workshop = default_prompts()
+        prompt_sets = {"1": [PROMPT], "8": texts8, "fresh": [workshop["fresh"]],
+                       "repeating": [workshop["repeating"]]}
+        encoded = {k: [(tok.encode(t), t) for t in v] for k, v in prompt_sets.items()}
+        results["prompt_tokens"] = {k: [len(i) for i, _ in v] for k, v in encoded.items()}
+        refs: dict = {}
+
+        async def reference(model: str, key: str, temperature: float, seed: int) -> list:
+            k = (model, key, temperature, seed)
+            if k not in refs:
+                refs[k] = (await run("nodraft-in-process", model, encoded[key], temperature,
+                                     seed, "none"))["tokens"]
+            return refs[k]
+
+        # every case: (part, system, model, method, prompt set, mode)
+        modes = {"greedy": 0.0, "sampled": TEMPERATURE}
+        cases = []
+        if "plain" in parts:
+            for streams in STREAMS:
+                key = str(streams)
+                cases += [("plain", "nodraft", "micro", "none", key),
+                          ("plain", "nodraft-in-process", "micro", "none", key),
+                          ("plain", LCP_SERVER, "micro", "none", key)]
+                cases += [("plain", s, "micro", "none", key) for s in ("llama-server", "llama-server-q8_0")
+                          if s in systems]
+                cases += [("plain", s, "micro", "none", key) for s in ("nodraft-unstreamed",
+                                                                      "llama-server-unstreamed")
+                          if s in systems]
+                if streams == 1:
+                    cases += [("plain", "llama-cpp-python", "micro", "none", key),
+                              ("plain", "transformers", "micro", "none", key)]
+        if "drafters" in parts:
+            for key in ("fresh", "repeating"):
+                for sysname in ("nodraft", "nodraft-in-process"):
+                    cases += [("drafters", sysname, "micro", "none", key),
+                              ("drafters", sysname, "micro-layerskip", "none", key)]
+                    cases += [("drafters", sysname, m, d, key) for m, d in NODRAFT_DRAFTERS]
+                cases += [("drafters", s, "micro", "none", key) for s in
+                          ["llama-server", *(f"llama-server-{k}" for k in LLAMA_SPEC)] if s in systems]
+                cases += [("drafters", "llama-cpp-python", "micro", m, key)
+                          for m in ("none", "prompt_lookup")]
+                cases += [("drafters", "transformers", "micro", "none", key),
+                          ("drafters", "transformers", "micro", "prompt_lookup", key),
+                          ("drafters", "transformers", "micro-layerskip", "none", key),
+                          ("drafters", "transformers", "micro-layerskip", "early_exit", key)]
+
+        def case_key(c, mode):
+            part, system, model, method, key = c
+            return f"{part}/{mode}/{key}/{system}/{model}/{method}"
+
+        # warm every path once (compiles, first requests), untimed
+        for c in cases:
+            for mode, temp in modes.items():
+                await run(c[1], c[2], encoded[c[4]], temp, 0, c[3])
+        print("warmed", file=sys.stderr, flush=True)
+        runs: dict[str, list[float]] = {}
+        ttfts: dict[str, list[float]] = {}
+        checks: dict[str, list[dict]] = {}
+        for r in range(args.rounds):
+            order = [(c, m) for c in cases for m in modes]
+            if r % 2:
+                order.reverse()
+            for c, mode in order:
+                part, system, model, method, key = c
+                seed = 1000 + r
+                temp = modes[mode]
+                res = await run(system, model, encoded[key], temp, seed, method)
+                k = case_key(c, mode)
+                runs.setdefault(k, []).append(res.n_tokens / res["seconds"])
+                ttfts.setdefault(k, []).extend(t for t in res["ttft"] if t is not None)
+                if mode == "greedy":
+                    ref = await reference(model, key, 0.0, 0)
+                    checks.setdefault(k, []).append(agreement(res, ref, tok))
+                elif system.startswith("nodraft"):
+                    ref = await reference(model, key, temp, seed)
+                    checks.setdefault(k, []).append(agreement(res, ref, tok))
+            print(f"round {r + 1} done", file=sys.stderr, flush=True)
+        results["tokens_per_s"] = {k: spread(v) for k, v in runs.items()}
+        results["ttft_ms_in_runs"] = {k: 1e3 * statistics.median(v) for k, v in ttfts.items() if v}
+        results["runs"] = runs
+        results["greedy_checks"] = {
+            k: {"all_equal": all(x["equal"] for x in v), "last": v[-1]} for k, v in checks.items()}
+        pairs = {}
+        for mode in modes:
+            for streams in STREAMS:
+                base = f"plain/{mode}/{streams}"
+                nd = f"{base}/nodraft/micro/none"
+                for peer in ("llama-server", "llama-server-q8_0", LCP_SERVER):
+                    pairs[f"{base}: nodraft served / {peer}"] = (nd, f"{base}/{peer}/micro/none")
+                pairs[f"{base}: nodraft in process / served"] = (f"{base}/nodraft-in-process/micro/none", nd)
+                pairs[f"{base}: nodraft served / llama-server, not streamed"] = (
+                    f"{base}/nodraft-unstreamed/micro/none", f"{base}/llama-server-unstreamed/micro/none")
+                if streams == 1:
+                    ip = f"{base}/nodraft-in-process/micro/none"
+                    pairs[f"{base}: nodraft in process / llama-cpp-python in process"] = (
+                        ip, f"{base}/llama-cpp-python/micro/none")
+                    pairs[f"{base}: nodraft in process / transformers"] = (
+                        ip, f"{base}/transformers/micro/none")
+            for key in ("fresh", "repeating"):
+                base = f"drafters/{mode}/{key}"
+                for sysname in ("nodraft", "nodraft-in-process"):
+                    for model, d in NODRAFT_DRAFTERS:
+                        pairs[f"{base}: {sysname} {d} / its none"] = (
+                            f"{base}/{sysname}/{model}/{d}", f"{base}/{sysname}/{model}/none")
+                        for peer in ("llama-server-ngram-simple", "llama-server-ngram-mod"):
+                            pairs[f"{base}: {sysname} {d} / {peer}"] = (
+                                f"{base}/{sysname}/{model}/{d}", f"{base}/{peer}/micro/none")
+                        pairs[f"{base}: {sysname} {d} / transformers prompt_lookup"] = (
+                            f"{base}/{sysname}/{model}/{d}", f"{base}/transformers/micro/prompt_lookup")
+                for peer in LLAMA_SPEC:
+                    pairs[f"{base}: llama-server {peer} / llama-server"] = (
+                        f"{base}/llama-server-{peer}/micro/none", f"{base}/llama-server/micro/none")
+                pairs[f"{base}: llama-cpp-python prompt_lookup / its none"] = (
+                    f"{base}/llama-cpp-python/micro/prompt_lookup", f"{base}/llama-cpp-python/micro/none")
+                pairs[f"{base}: transformers prompt_lookup / its none"] = (
+                    f"{base}/transformers/micro/prompt_lookup", f"{base}/transformers/micro/none")
+                pairs[f"{base}: transformers early_exit / its none"] = (
+                    f"{base}/transformers/micro-layerskip/early_exit",
+                    f"{base}/transformers/micro-layerskip/none")
+        results["ratios"] = ratio_rows(runs, pairs)
+        if "ttft" in parts:
+            servers = ["nodraft", *(s for s in ("llama-server", LCP_SERVER) if s in systems)]
+            ttft: dict[str, list[float]] = {}
+            longs = [(tok.encode(t), t) for t in LONG_PROMPTS]
+            short = [(tok.encode(SHORT_PROMPT), SHORT_PROMPT)]
+            for i in range(args.ttft_requests):
+                for name in (servers if i % 2 == 0 else servers[::-1]):
+                    for label, prompt in (("short", short), ("long", [longs[i % len(longs)]])):
+                        first = (await one_retried(systems[name], "micro", *prompt[0], 4, 0.0,
+                                                   0, "none"))[0]
+                        ttft.setdefault(f"{name}/{label}", []).append(first)
+            results["ttft_ms"] = {k: {**{m: 1e3 * v for m, v in spread(x).items() if m != "n"},
+                                      "n": len(x)} for k, x in ttft.items()}
+            results["long_prompt_tokens"] = [len(i) for i, _ in longs]
+        results["requests_sent_again"] = RETRIES["stale_connections"]
+    finally:
+        for w in workers.values():
+            w.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    print(json.dumps({k: results.get(k) for k in ("ratios", "ttft_ms")}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
