@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from nodraft.drafters.goodput import Acceptance, PassFit, marginal_length
 
 PROBE_EVERY = 16  # steps without a draft before a one-token probe
-PassTimer = PassFit  # the name the engine's tests and benchmarks know
 
 
 @dataclass
@@ -41,7 +40,7 @@ class SeqDraftState(Acceptance):
 
 class DraftScheduler:
     def __init__(self):
-        self.timer = PassTimer()
+        self.timer = PassFit()
         self.propose_seconds: dict[str, float] = {}  # EMA per drafter method
 
     def observe_propose(self, method: str, seconds: float) -> None:

@@ -7,7 +7,8 @@ from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache
 from nodraft.micro.packed import Segment, _offsets, _packed_attention_plan, forward_packed
 from nodraft.engine.core import Engine, GenerationRequest
-from nodraft.engine.scheduler import DraftScheduler, PassTimer, SeqDraftState
+from nodraft.drafters.goodput import PassFit
+from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import tree_attention_mask
 from nodraft.engine.verify import SamplingParams
 from tests.conftest import TINY, tiny_model
@@ -132,7 +133,7 @@ def test_sampled_requests_run_in_packed_passes_with_their_seeds():
 
 
 def test_the_pass_timer_fits_a_line():
-    t = PassTimer()
+    t = PassFit()
     for rows in range(1, 40):
         t.observe(rows, 0.002 + 0.0001 * rows)
     a, b = t.coefficients
