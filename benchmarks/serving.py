@@ -2,7 +2,7 @@
 
     python benchmarks/serving.py [--tokens 256] [--rounds 5] [--ttft-requests 15]
                                  [--loadtest 1,8,32] [--loadtest-rounds 1] [--eager]
-                                 [--out FILE.json]
+                                 [--before CHECKOUT] [--out FILE.json]
 
 Four ``nodraft serve`` processes side by side on micro (a checkpoint folder with micro and
 its trained drafters only, so that each compiles half as much), idle but for the one being
@@ -12,15 +12,18 @@ measured:
     process-2   the same, 2 torch threads
     thread-1    the engine on a thread of the API process (``--engine-process false``), 1
     thread-2    the same, 2 threads
+    before-1    with ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``): that
+                checkout's code, as process-1 (``checkouts.checkout_env``)
 
 and, each in a worker process of its own, the reference points: ``engine.core.Engine``
 itself (compiled like the servers; 1 thread pinned to the first core as the served
 engine is, and 2 threads on both cores) and transformers' ``generate()`` on the exported
 weights (``nodraft export-hf``), 1 thread on the first core. This process, the client, runs
 on the last core, the one the servers' API processes keep. Everything runs in alternation,
-``--rounds`` times, and medians are reported, for greedy decoding and for sampling
-(temperature 0.8, the round's seed: every nodraft configuration generates the same tokens
-for a seed).
+``--rounds`` times, and medians are reported (tokens/s: the median of the rounds; a
+ratio: the median, and the range, of the rounds' own ratios), for greedy decoding and for
+sampling (temperature 0.8, the round's seed: every nodraft configuration generates the
+same tokens for a seed).
 
 1. one stream of ``none``, ``--tokens`` tokens, streamed and not: tokens/s, and each over
    the in-process engine's best (the faster of 1 and 2 threads) and over ``generate()``;
@@ -53,6 +56,10 @@ from pathlib import Path
 import httpx
 import torch
 
+try:
+    from checkouts import checkout_env, imported_from  # run as a script
+except ImportError:  # imported as benchmarks.<name> (the tests)
+    from benchmarks.checkouts import checkout_env, imported_from
 from nodraft.clients.loadtest import LoadConfig, run_loadtest
 from nodraft.drafters.registry import Registry
 from nodraft.engine.core import Engine, GenerationRequest
@@ -92,9 +99,9 @@ def micro_only(tmp: Path) -> Path:
     return tmp
 
 
-def start_server(name: str, checkpoints: Path, compile: bool, max_running: int
-                 ) -> tuple[subprocess.Popen, str, str]:
-    process, threads = SERVERS[name]
+def start_server(name: str, checkpoints: Path, compile: bool, max_running: int,
+                 env: dict | None = None) -> tuple[subprocess.Popen, str, str]:
+    process, threads = SERVERS.get(name, (True, 1))
     port = free_port()
     cmd = [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
            "--threads", str(threads), "--engine-process", str(process).lower(),
@@ -103,7 +110,7 @@ def start_server(name: str, checkpoints: Path, compile: bool, max_running: int
     # its log goes to a file: a pipe nobody reads would fill up and block it
     log = tempfile.NamedTemporaryFile("w+", prefix=f"nodraft-{name}-", suffix=".log",
                                       delete=False)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
     return proc, f"http://127.0.0.1:{port}", log.name
 
 
@@ -262,6 +269,14 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def paired(a: list[float], b: list[float]) -> dict:
+    """a over b round by round: the median ratio, its range and the rounds counted (a
+    round where either side generated nothing -- a sampled text that ended at once --
+    measured nothing)."""
+    r = [x / y for x, y in zip(a, b) if x > 0 and y > 0]
+    return {"median": median(r), "min": min(r), "max": max(r), "rounds": len(r)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -271,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--loadtest", default="1,8,32", help="concurrencies ('' for none)")
     p.add_argument("--loadtest-rounds", type=int, default=1)
     p.add_argument("--eager", action="store_true")
+    p.add_argument("--before", help="a checkout of this repository served beside, as "
+                   "process-1 (before-1): before and after in one run")
     p.add_argument("--out")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--checkpoints", help=argparse.SUPPRESS)
@@ -289,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     checkpoints = micro_only(tmp / "checkpoints")
     servers = {name: start_server(name, checkpoints, compile, max(levels + [1]))
                for name in SERVERS}
+    if args.before:
+        env = checkout_env(args.before)
+        where = imported_from(env)
+        assert where.is_relative_to(Path(args.before).resolve()), where
+        servers["before-1"] = start_server("before-1", checkpoints, compile,
+                                           max(levels + [1]), env)
     workers: dict[str, Worker] = {}
     results: dict = {"command": "python benchmarks/serving.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "cpus": len(cores),
@@ -331,22 +354,29 @@ def main(argv: list[str] | None = None) -> None:
                 for key, fn in cases:
                     runs.setdefault(f"{mode}/{key}", []).append(fn())
             print(f"round {r + 1} done", file=sys.stderr, flush=True)
-        one = {k: median(v) for k, v in runs.items()}
+        one = {k: median([x for x in v if x > 0] or [0.0]) for k, v in runs.items()}
         results["one_stream_tokens_per_s"] = one
         results["one_stream_runs"] = runs
         ratios = {}
         for mode in modes:
-            best = max(one[f"{mode}/engine-1"], one[f"{mode}/engine-2"])
+            # each round's ratio (its runs were minutes apart at most), then their median
+            # and range: this machine's speed drifts by 2x between rounds
+            best = [max(a, b) for a, b in zip(runs[f"{mode}/engine-1"], runs[f"{mode}/engine-2"])]
             for name in servers:
                 for kind in ("stream", "plain"):
-                    v = one[f"{mode}/{name}-{kind}"]
+                    v = runs[f"{mode}/{name}-{kind}"]
                     ratios[f"{mode}/{name}-{kind}"] = {
-                        "x_engine_best": v / best, "x_generate_1": v / one[f"{mode}/generate-1"]}
+                        "x_engine_best": paired(v, best),
+                        "x_generate_1": paired(v, runs[f"{mode}/generate-1"])}
             for kind in ("stream", "plain"):
+                if "before-1" in servers:
+                    ratios[f"{mode}/process-1_over_before-1-{kind}"] = paired(
+                        runs[f"{mode}/process-1-{kind}"], runs[f"{mode}/before-1-{kind}"])
                 for prefix in ("process", "thread"):
-                    ratios[f"{mode}/{prefix}-2_over_1-{kind}"] = (
-                        one[f"{mode}/{prefix}-2-{kind}"] / one[f"{mode}/{prefix}-1-{kind}"])
+                    ratios[f"{mode}/{prefix}-2_over_1-{kind}"] = paired(
+                        runs[f"{mode}/{prefix}-2-{kind}"], runs[f"{mode}/{prefix}-1-{kind}"])
         results["ratios"] = ratios
+        save(args.out, results)  # what is measured so far, should a later stage fail
         ttfts: dict[str, list[float]] = {}  # time to first token
         for i in range(args.ttft_requests):
             names = list(servers) if i % 2 == 0 else list(reversed(servers))
@@ -356,7 +386,8 @@ def main(argv: list[str] | None = None) -> None:
                     ttft(clients[name], LONG_PROMPTS[i % len(LONG_PROMPTS)]))
         results["ttft_ms_median"] = {k: 1e3 * median(v) for k, v in ttfts.items()}
         print(json.dumps(results["ttft_ms_median"]), file=sys.stderr, flush=True)
-        loaded = ["process-1", "process-2", "thread-1"]
+        save(args.out, results)
+        loaded = ["process-1", "process-2", "thread-1"] + (["before-1"] if args.before else [])
         for name in loaded:  # every code path of every drafter auto may pick, once
             for method in ("none", "auto"):
                 for temp in modes.values():
@@ -385,8 +416,12 @@ def main(argv: list[str] | None = None) -> None:
                 proc.kill()
     print(json.dumps({k: results[k] for k in ("one_stream_tokens_per_s", "ratios",
                                                "ttft_ms_median")}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    save(args.out, results)
+
+
+def save(out: str | None, results: dict) -> None:
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

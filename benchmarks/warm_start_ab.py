@@ -5,7 +5,8 @@
                                        [--compile-cache DIR] [--json-out FILE]
 
 ``--old`` and ``--new`` are checkouts of this repository (``git worktree add /tmp/old
-<commit>``), run with this interpreter. Both use one compile cache (default: a temporary
+<commit>``), each run with this interpreter on its own code (``checkouts.checkout_env``:
+an editable install would otherwise run its own checkout for both). Both use one compile cache (default: a temporary
 folder), and each checkout's artifacts are built first (``nodraft compile``, untimed), so
 every timed start is a warm one. Starts alternate old/new, then new/old, so drift on a
 shared machine hits both; ``/health`` is polled every 0.1 s on one kept HTTP client (a new
@@ -25,6 +26,11 @@ import tempfile
 import time
 
 import httpx
+
+try:
+    from checkouts import checkout_env, imported_from  # run as a script
+except ImportError:  # imported as benchmarks.<name> (the tests)
+    from benchmarks.checkouts import checkout_env, imported_from
 
 
 def warm_start(cwd: str, env: dict, port: int, timeout: float = 120) -> tuple[float, float]:
@@ -62,15 +68,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     cache = args.compile_cache or tempfile.mkdtemp(prefix="nodraft-warm-ab-")
-    env = {**os.environ, "NODRAFT_COMPILE_CACHE": cache}
     dirs = {"old": args.old, "new": args.new}
+    envs = {name: checkout_env(cwd, {**os.environ, "NODRAFT_COMPILE_CACHE": cache})
+            for name, cwd in dirs.items()}
     for name, cwd in dirs.items():  # untimed: the artifacts of each checkout
-        subprocess.run([sys.executable, "-m", "nodraft.server.cli", "compile"], cwd=cwd, env=env,
-                       check=True)
+        where = imported_from(envs[name])
+        assert where.is_relative_to(os.path.realpath(cwd)), (name, where)
+        subprocess.run([sys.executable, "-m", "nodraft.server.cli", "compile"], cwd=cwd,
+                       env=envs[name], check=True)
     out: dict[str, list] = {k: [] for k in dirs}
     for i in range(args.starts):
         for name in (("old", "new") if i % 2 == 0 else ("new", "old")):
-            out[name].append(warm_start(dirs[name], env, args.port))
+            out[name].append(warm_start(dirs[name], envs[name], args.port))
             print(name, *out[name][-1], flush=True)
             time.sleep(1)
     result = {name: {"starts": v, "health_median": statistics.median(h for h, _ in v),

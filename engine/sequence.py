@@ -119,11 +119,9 @@ class Sequence:
         body = self.prompt[:-1]
         states = []
         for s in range(0, len(body), PREFILL_CHUNK):
-            chunk = torch.tensor([body[s:s + PREFILL_CHUNK]])
-            hidden: list[Tensor] = []
-            self.model(chunk, cache=self.cache, slot=self.slot, start=s, hidden=hidden)
-            self.cache.advance(self.slot, chunk.shape[1])
-            states.append(hidden[-1][0])
+            chunk = torch.tensor(body[s:s + PREFILL_CHUNK])
+            states.append(self.model.prefill_pass(chunk, self.cache, self.slot, s))
+            self.cache.advance(self.slot, chunk.shape[0])
         # after prefill: every prompt token's but the last (EAGLE builds its cache from them)
         self.ctx.last_hidden = torch.cat(states) if states else None
         self.prefilled = True

@@ -90,6 +90,7 @@ OPTIONS = {"freezing": False, "size_asserts": False}
 log = logging.getLogger("nodraft.compiled")
 
 MIN_CONTEXT = 2  # shorter cached prefixes (sizes 0 and 1 are specialised): eager
+PREFILL = "prefill"  # the first element of the prefill graph's family
 
 
 class CompiledPasses:
@@ -111,7 +112,7 @@ class CompiledPasses:
         self.lazy = lazy
         self.gemm = gemm  # micro.gemm.choose's argument; resolved at the first graph
         self.gemm_kind: str | None = None  # 'nodraft' or 'torch', once resolved
-        self._fns: dict[tuple[int, int, bool], object] = {}
+        self._fns: dict[tuple, object] = {}
         self._ready: set[tuple] = set()
         self._causal: dict[int, Tensor] = {}
         self._slots: dict[tuple[int, int, int], tuple] = {}  # a slot's K/V views per range
@@ -130,12 +131,22 @@ class CompiledPasses:
         wt = self._weights()
         return _make_core(self.model, lo, hi, head, wt, gemm.matmul(self.gemm_kind))
 
+    def _prefill_core(self):
+        # torch.mm whatever the product: a prompt is many rows, which MKL is built for
+        # (nodraft::mm's tiles are for the few rows of a decode step)
+        return _make_prefill_core(self.model, self._weights(), torch.mm)
+
+    def _family_fn(self, family: tuple):
+        """A saved family's function, rebuilt for this model (``load``)."""
+        if family[0] == PREFILL:
+            return self._prefill_core()
+        return self._core(family[0], family[1], family[2])
+
     def load(self, folder: Path) -> int:
         """Load the families saved in ``folder`` (``export_to`` of an artifact build for
         this model, cache shape and product): they run at once, none compiles. Returns how
         many were loaded."""
-        families = self.precompiled.load(folder, lambda f: self._core(f[0], f[1], f[2]),
-                                         self.between_loads)
+        families = self.precompiled.load(folder, self._family_fn, self.between_loads)
         self._ready.update(families)
         self.artifacts = Path(folder)
         return len(families)
@@ -226,10 +237,67 @@ class CompiledPasses:
         return out, logits
 
     @torch.inference_mode()
+    def prefill(self, h: Tensor, cache, slot: int, compile: bool | None = None
+                ) -> Tensor | None:
+        """A prompt's first rows h (T, dim) through every layer into an empty ``slot``: keys
+        and values go to rows [0, T), each row sees the rows before it. Returns the final
+        residual stream (T, dim), or None when the prefill graph is not compiled (the
+        caller runs eager). A lone row runs as two (a scratch row after it, which no row
+        before it sees, and whose cache row is past the committed length): the graph's
+        block length is symbolic from 2 up. ``compile`` as in ``run``."""
+        T = h.shape[0]
+        if T == 1:
+            h = torch.cat([h, h])
+        h = _offset0(h)
+        got = self._call((PREFILL, tuple(cache.k.shape), h.dtype), PREFILL,
+                         self._prefill_core, (h,), [(h, 0)], compile)
+        if got is None:
+            return None
+        out, k_new, v_new = got
+        rows = k_new.shape[2]
+        cache.k[:, slot, :, :rows] = k_new
+        cache.v[:, slot, :, :rows] = v_new
+        return out[:T]
+
+    def _call(self, family: tuple, stem: str, make: Callable[[], Callable], args: tuple,
+              dynamic: list[tuple[Tensor, int]], compile: bool | None):
+        """Run ``family``'s graph on ``args``: loaded, built (an artifact build: compiled
+        and saved) or compiled now (``compile``, as in ``run``) with the dimensions in
+        ``dynamic`` symbolic; None when it is not compiled, another build process compiles
+        it, or its guards refuse these inputs (the caller runs eager)."""
+        fresh = family not in self._ready
+        if fresh and not (self.lazy if compile is None else compile):
+            return None
+        if fresh:  # compiled once with these dimensions symbolic
+            t0 = time.perf_counter()
+            for x, d in dynamic:
+                torch._dynamo.maybe_mark_dynamic(x, d)
+        aot = self.precompiled.fns.get(family)
+        if aot is None and fresh and self.export_to is not None:  # an artifact build
+            aot = self.precompiled.compile(stem, family, make(), OPTIONS, args)
+            if aot is None:  # another process of the build compiles this one
+                return None
+        if aot is not None:
+            got = self.precompiled(family, args)
+            if got is None:  # refused by its guards: eager from now on
+                self._ready.discard(family)
+                return None
+        else:
+            fn = self._fns.get(family)
+            if fn is None:
+                fn = self._fns[family] = torch.compile(make(), fullgraph=True, options=OPTIONS)
+            got = fn(*args)
+        if fresh:
+            self._ready.add(family)
+            self.compile_seconds += time.perf_counter() - t0
+        return got
+
+    @torch.inference_mode()
     def warm_up(self, cache, slot: int, early_exit: bool = True, compile: bool = True) -> float:
         """Compile every family a request can reach on ``cache`` (whose ``slot`` must be
         free: its rows past the committed length are written): full passes of one row and
-        of several, and with ``early_exit`` each exit's draft and verification ranges.
+        of several, with ``early_exit`` each exit's draft and verification ranges, and the
+        prefill.
         ``compile=False``: only run the families already compiled or loaded once each.
         Returns the seconds it took."""
         t0 = time.perf_counter()
@@ -246,6 +314,7 @@ class CompiledPasses:
         for lo, hi, head, T in ranges:
             self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
                      lo, hi, cache, slot, start, None, head, compile=compile)
+        self.prefill(torch.zeros(5, dim, dtype=dtype), cache, slot, compile=compile)
         return time.perf_counter() - t0
 
 
@@ -427,17 +496,9 @@ def attend_layer(h: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Te
     ``mask`` (T, T' + T) the rows of ``k_prev``/``v_prev`` (H, T', D; earlier blocks of the
     same graph, e.g. a draft tree's levels) and itself. ``mask`` None: one row, no
     ``k_prev``. Returns the block's residual stream and its keys and values (H, T, D)."""
-    an, fn, wqkv, wo, w13, w2 = w
-    T = h.shape[0]
     H, D = k_past.shape[0], k_past.shape[-1]
-    F2 = w2.shape[0]
     scale = 1.0 / math.sqrt(D)
-    x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
-    qkv = mm(x, wqkv).view(T, 3, H, D)
-    qk = apply_rope(qkv[:, :2], cos, sin)
-    q = qk[:, 0].transpose(0, 1)  # (H, T, D)
-    k = qk[:, 1].transpose(0, 1)
-    v = qkv[:, 2].transpose(0, 1)
+    q, k, v = _project(h, cos, sin, w, mm, H, D)
     kb = k if k_prev is None else torch.cat([k_prev, k], dim=1)
     vb = v if v_prev is None else torch.cat([v_prev, v], dim=1)
     s_past = torch.matmul(q, k_past.transpose(-1, -2)) * scale  # (H, T, n)
@@ -452,9 +513,38 @@ def attend_layer(h: Tensor, cos: Tensor, sin: Tensor, k_past: Tensor, v_past: Te
         y = y + torch.matmul(p[..., n:], vb)
     else:
         y = y + (p[..., n:, None] * vb[:, None, :, :]).sum(-2)
-    h = h + mm(y.transpose(0, 1).reshape(T, H * D), wo)
-    gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(F2, dim=-1)
-    return h + mm(F.silu(gate) * up, w2), k, v
+    return _mix(h, y, w, mm), k, v
+
+
+def prefill_layer(h: Tensor, cos: Tensor, sin: Tensor, w: tuple, mm, H: int, D: int
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """One decoder layer over a prompt's first rows h (T, dim), nothing cached before them:
+    causal attention within the block (SDPA's, which scales with T where the broadcast
+    products of ``attend_layer`` grow as T squared). Returns as ``attend_layer``."""
+    q, k, v = _project(h, cos, sin, w, mm, H, D)
+    y = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    return _mix(h, y, w, mm), k, v
+
+
+def _project(h: Tensor, cos: Tensor, sin: Tensor, w: tuple, mm, H: int, D: int
+             ) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's queries, keys (both rotated) and values, each (H, T, D)."""
+    an, wqkv = w[0], w[2]
+    x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
+    qkv = mm(x, wqkv).view(h.shape[0], 3, H, D)
+    qk = apply_rope(qkv[:, :2], cos, sin)
+    return qk[:, 0].transpose(0, 1), qk[:, 1].transpose(0, 1), qkv[:, 2].transpose(0, 1)
+
+
+def _mix(h: Tensor, y: Tensor, w: tuple, mm) -> Tensor:
+    """The rest of a layer after attention's output y (H, T, D): the output projection,
+    the residual, the SwiGLU feed-forward and its residual."""
+    fn, wo, w13, w2 = w[1], w[3], w[4], w[5]
+    T, HD = h.shape[0], wo.shape[0]
+    h = h + mm(y.transpose(0, 1).reshape(T, HD), wo)
+    gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(w2.shape[0],
+                                                                               dim=-1)
+    return h + mm(F.silu(gate) * up, w2)
 
 
 def named_code(fn, name: str):
@@ -488,3 +578,26 @@ def _make_core(model, lo: int, hi: int, head: bool, wt: dict[str, Tensor], mm):
         return h, logits, torch.stack(ks), torch.stack(vs)
 
     return named_code(core, f"micro_layers_{lo}_{hi}{'_head' if head else ''}")
+
+
+def _make_prefill_core(model, wt: dict[str, Tensor], mm):
+    """The prefill graph's function: a prompt's first rows h (T, dim) at positions [0, T)
+    through every layer; returns their final residual stream and keys and values
+    (layers, H, T, D). No head: a prefill needs no logits."""
+    cos_t, sin_t = model.rope_cos, model.rope_sin
+    c = model.config
+    weights = [layer_weights(model.layers[i], wt, f"{i}.") for i in range(c.n_layers)]
+    H, D = c.n_heads, c.head_dim
+
+    def prefill(h: Tensor):
+        T = h.shape[0]
+        cos, sin = cos_t[:T][:, None, None], sin_t[:T][:, None, None]  # (T, 1, 1, D)
+        ks, vs = [], []
+        for w in weights:
+            h, k, v = prefill_layer(h, cos, sin, w, mm, H, D)
+            ks.append(k)
+            vs.append(v)
+        return h, torch.stack(ks), torch.stack(vs)
+
+    return named_code(prefill, "micro_prefill")
+

@@ -226,6 +226,24 @@ class Micro(nn.Module):
         return logits[0], hidden[-1][0]
 
     @torch.inference_mode()
+    def prefill_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int) -> Tensor:
+        """Prompt ids (T,) through every layer with their KV rows written at
+        [start, start+T), each row seeing the rows before it: the final residual stream
+        (T, dim). No logits: a prefill needs none. Compiled (``CompiledPasses.prefill``)
+        from an empty slot, when ``compile()`` was called; eager otherwise."""
+        compiled = self.compiled
+        if compiled is not None and start == 0:
+            done = compiled.prefill(self.embed(ids), cache, slot)
+            if done is not None:
+                return done
+        T = ids.shape[0]
+        pos = torch.arange(start, start + T)[None]
+        # ``hidden`` given: the eager layers (the compiled block passes are for a few rows)
+        return self.run_layers(self.embed(ids)[None], pos, 0, self.config.n_layers,
+                               cache=cache, slot=slot, start=start,
+                               mask=self.block_mask(T, start, None), hidden=[])[0]
+
+    @torch.inference_mode()
     def exit_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int, exit_layer: int
                   ) -> tuple[Tensor, Tensor]:
         """Early exit: ids (T,) through layers [0, exit_layer) with their KV rows written

@@ -5,8 +5,9 @@ served: the body is parsed and validated (strict JSON types: ``server.protocol``
 model, ``speculation`` and the other parameters are checked; a prompt text is measured
 against the context; the request is *admitted* (``server.admission``: a 429 with
 ``Retry-After`` at once when its sequences do not fit); only then is its text tokenised
-and, for chat, templated -- on the text worker thread, off the event loop
-(``Service.off_loop``) -- and its sequences submitted to the engine.
+and, for chat, templated -- on the text worker thread, off the event loop, unless the
+text is so short that the hop to the worker would cost more (``Service.text_work``) -- and
+its sequences submitted to the engine.
 
 Prompt text limit: a prompt text (a completion prompt, or all of a chat's message contents
 together) of more than ``(context - 1) x L`` bytes of UTF-8, L being the longest token's
@@ -123,7 +124,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     items = _completion_items(body, service)
     explicit = body.max_tokens if "max_tokens" in body.model_fields_set else None
     with _admit(service, len(items) * body.n):
-        prompts = await service.off_loop(_encode, service.tokenizer, items)
+        size = sum(_utf8_len(item) for item in items if isinstance(item, str))
+        prompts = await service.text_work(size, _encode, service.tokenizer, items)
         run = _start(service, body, method, params, prompts, explicit, body.max_tokens or 16,
                      (), body.logprobs, bool(body.echo))
     return await _respond(request, body, run, prompts, chat_format=False)
@@ -137,14 +139,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                        param="max_completion_tokens")
     method, params = _check(request, body)
     messages = [(m.role, m.text()) for m in body.messages]
-    _check_text_size(sum(_utf8_len(text) for _, text in messages), service, "messages",
-                     "the messages' contents are")
+    size = sum(_utf8_len(text) for _, text in messages)
+    _check_text_size(size, service, "messages", "the messages' contents are")
     explicit = body.max_tokens or body.max_completion_tokens
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top = (body.top_logprobs or 0) if body.logprobs else None
     with _admit(service, body.n):
-        prompt = await service.off_loop(chat.render, messages, service.tokenizer)
+        prompt = await service.text_work(size, chat.render, messages, service.tokenizer)
         run = _start(service, body, method, params, [prompt], explicit,
                      service.settings.chat_max_tokens_default,
                      chat.stop_token_ids(service.tokenizer), top)

@@ -83,6 +83,7 @@ log = logging.getLogger("nodraft.server")
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after draining: for responses still being written
 STATIC = Path(__file__).parent / "static"  # the playground page (issue 9)
+INLINE_TEXT_BYTES = 512  # text work this small runs on the event loop (``Service.text_work``)
 T = TypeVar("T")
 
 
@@ -97,8 +98,12 @@ class Service:
 
     ``off_loop(fn, ...)`` runs text work -- tokenising, the chat template -- on ONE worker
     thread: the tokenizer releases the GIL while it runs, so the event loop keeps serving
-    meanwhile, and one worker keeps the tokenizer to one thread (its special-token switch
-    is per tokenizer) and this process to the one core it is pinned to."""
+    meanwhile, and one worker keeps this process to the one core it is pinned to.
+    ``text_work(size, fn, ...)`` runs it on the event loop instead when its text is at
+    most ``INLINE_TEXT_BYTES`` of UTF-8: tokenising that little costs less than the hop to
+    the worker and back (docs/ARCHITECTURE.md, "The request path"). Both threads tokenise
+    with ``Tokenizer.encode_batch`` only, which always reads special-token strings as text,
+    so they never set the tokenizer's special-token switch to different values."""
 
     def __init__(self, settings: Settings, registry: Registry | None = None,
                  launched: Launched | None = None):
@@ -174,6 +179,13 @@ class Service:
         """``fn(*args)`` on the text worker (class docstring)."""
         return await asyncio.get_running_loop().run_in_executor(
             self.text_worker, functools.partial(fn, *args))
+
+    async def text_work(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, text work on ``size`` bytes of UTF-8: on the event loop up to
+        ``INLINE_TEXT_BYTES``, else on the text worker (class docstring)."""
+        if size <= INLINE_TEXT_BYTES:
+            return fn(*args)
+        return await self.off_loop(fn, *args)
 
     def _engine_died(self, reason: str) -> None:
         log.error("nodraft: %s; every request in flight has failed, and the server exits "

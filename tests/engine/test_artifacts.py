@@ -43,7 +43,7 @@ LOAD = textwrap.dedent("""
     other = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
     other.compiled.load(sys.argv[1])
     pre = other.compiled.precompiled
-    row = next(f for f in pre.fns if not f[3])
+    row = next(f for f in pre.fns if f[0] != "prefill" and not f[3])
     cache = KVCache(SMALL, 2)
     k, v = cache.k[0:2, 0][:, :, :9], cache.v[0:2, 0][:, :, :9]
     with torch.inference_mode():
@@ -56,12 +56,13 @@ LOAD = textwrap.dedent("""
 
 
 def passes(model) -> list[list[float]]:
-    """Logits of a 1-row and a 5-row pass after 9 cached rows (and a 3-row one after 20)."""
+    """Logits of a 1-row and a 5-row pass after 9 cached rows (and a 3-row one after 20),
+    after a 20-row prefill."""
     cache = KVCache(model.config, 2)
     out = []
     with torch.inference_mode():
         ids = torch.arange(30) % model.config.vocab_size
-        model(ids[None, :20], cache=cache, slot=1, start=0)  # eager prefill
+        model.prefill_pass(ids[:20], cache, 1, 0)
         for T, start in ((1, 9), (5, 9), (3, 20)):
             logits, _ = model.verify_pass(ids[start:start + T], cache, 1, start)
             out.append(logits[-1, :8].tolist())
@@ -75,7 +76,8 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     model.compiled.warm_up(KVCache(SMALL, 2), 0, early_exit=False)
     saved = sorted(p.name.split("-")[0] + p.suffix for p in (tmp_path / "tiny").iterdir())
     assert saved == ["passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
-                     "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2"]
+                     "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2",
+                     "prefill.json", "prefill.pt2"]
     want = passes(model)  # the saved graphs, run in this process
     eager = passes(tiny_model(dtype=torch.float32, config=SMALL))
     done = subprocess.run([sys.executable, "-c", LOAD, str(tmp_path / "tiny")], cwd=ROOT,
@@ -84,7 +86,7 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # loaded, run (none refused by its guards: it would have run eager) and nothing traced
-    assert got["loaded"] == 2 and got["running"] == 2 and got["frames"] == 0
+    assert got["loaded"] == 3 and got["running"] == 3 and got["frames"] == 0
     assert got["refused"]
     torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(want), rtol=1e-5,
                                atol=1e-5)

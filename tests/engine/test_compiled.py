@@ -74,6 +74,30 @@ def test_early_exit_ranges_match_eager(pair):
             torch.testing.assert_close(lc, le, rtol=1e-4, atol=2e-4)
 
 
+# a lone row (run as two), a short prompt, one past the rows' broadcast products' sizes
+@pytest.mark.parametrize("T", [1, 2, 7, 40])
+def test_the_compiled_prefill_matches_eager(pair, T):
+    eager, compiled = pair
+    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
+    ce, cc = KVCache(eager.config, 2), KVCache(eager.config, 2)
+    he = eager.prefill_pass(ids, ce, 1, 0)
+    hc = compiled.prefill_pass(ids, cc, 1, 0)
+    assert any(f[0] == "prefill" for f in compiled.compiled._ready)  # it did run compiled
+    assert hc.shape == he.shape == (T, eager.config.dim)
+    torch.testing.assert_close(hc, he, rtol=1e-4, atol=1e-3)
+    # the prompt's keys and values in rows [0, T) of slot 1; a lone row's scratch row after
+    # it is past the committed length, where drafts are written too
+    rows = max(T, 2)
+    torch.testing.assert_close(cc.k[:, 1, :, :T], ce.k[:, 1, :, :T], rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(cc.v[:, 1, :, :T], ce.v[:, 1, :, :T], rtol=1e-4, atol=2e-4)
+    assert cc.k[:, 0].abs().sum() == 0 and cc.k[:, 1, :, rows:].abs().sum() == 0
+    # what follows the prefill sees the same cache: the next token's logits agree
+    nxt = torch.tensor([7])
+    le, _ = eager.verify_pass(nxt, ce, 1, T)
+    lc, _ = compiled.verify_pass(nxt, cc, 1, T)
+    torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-3)
+
+
 def test_short_contexts_and_cold_families_run_eager(checkpoint_dir):
     model = load_model("micro", checkpoint_dir).compile(lazy=False)
     cache, _ = _prefilled(model, 20)
@@ -152,8 +176,10 @@ def test_after_the_warm_up_no_pass_compiles(checkpoint_dir):
     def passes():
         torch.set_num_threads(1)
         with torch.inference_mode():
-            model(ids[None, :37], cache=cache, slot=1)
-            cache.advance(1, 37)
+            for T in (1, 2, 60):  # prompts of every size prefill compiled
+                model.prefill_pass(ids[:T], cache, 1, 0)
+            model.prefill_pass(ids[:37], cache, 1, 0)
+            cache.set_length(1, 37)
             for T in (1, 4, 1, 6, 2):
                 model.verify_pass(ids[:T], cache, 1, cache.lengths[1])
                 cache.advance(1, T)

@@ -17,7 +17,7 @@ import uvicorn
 from server_testing import metric, wait_for
 
 from nodraft.server.admission import MAX_RETRY_AFTER, Admission
-from nodraft.server.app import create_app, uvicorn_config
+from nodraft.server.app import INLINE_TEXT_BYTES, Service, create_app, uvicorn_config
 from nodraft.server.errors import APIError
 from nodraft.server.settings import Settings
 
@@ -49,6 +49,21 @@ async def poll_health(client: httpx.AsyncClient, until: asyncio.Event) -> list[f
         assert r.status_code == 200
         await asyncio.sleep(0.02)
     return latencies
+
+
+def test_short_texts_are_tokenised_on_the_loop_and_longer_ones_on_the_worker():
+    """A prompt of at most INLINE_TEXT_BYTES is tokenised where the request is handled (the
+    hop to the worker would cost more); a longer one on the text worker, off the loop."""
+    service = Service(Settings())
+
+    async def where(size: int) -> str:
+        return await service.text_work(size, lambda: threading.current_thread().name)
+
+    try:
+        assert asyncio.run(where(INLINE_TEXT_BYTES)) == threading.current_thread().name
+        assert asyncio.run(where(INLINE_TEXT_BYTES + 1)).startswith("nodraft-text")
+    finally:
+        service.text_worker.shutdown()
 
 
 def test_long_prompts_do_not_stall_the_event_loop(live):
