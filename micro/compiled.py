@@ -36,9 +36,10 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   every engine loads them at start.
 
 The numbers differ from eager micro in the last bits (fused reductions), as eager
-already differs between a 1-row and a k-row pass. Prompts are prefilled eagerly, and a
-pass whose family is not compiled yet (or whose cached prefix is under two rows) runs
-eager. Speculative and plain greedy decoding stay token-for-token equal all the same:
+already differs between a 1-row and a k-row pass. A prompt's first 256 rows are
+prefilled by a graph of their own (``prefill``: no cached prefix, SDPA's causal attention,
+no head), later chunks and a packed pass's prompt chunks eagerly; a pass whose family is
+not compiled yet (or whose cached prefix is under two rows) runs eager. Speculative and plain greedy decoding stay token-for-token equal all the same:
 tests/server/test_server_compiled.py runs every drafter on both checkpoints with the
 compiled passes a server loads.
 """
