@@ -61,6 +61,9 @@ PREFILL_TOKENS = 256  # prompt rows per packed pass, over all sequences being pr
 IDLE_POLL_S = 0.1  # an idle engine thread looks for idle work this often
 WARM_UP_SWITCH_INTERVAL = 2e-4  # s: the GIL's switch interval while compiling (default 5 ms)
 GAP_WAIT_S = 1.0  # s: the longest a graph load waits for a gap between requests
+# a lone sequence's prefill runs on ``threads`` threads from this many prompt tokens, on one
+# below (docs/BENCHMARKS.md, "Serving": a short prompt's first token came later on two)
+THREADED_PREFILL_TOKENS = 128
 
 
 class QueueFull(RuntimeError):
@@ -426,8 +429,12 @@ class Engine:
                 by_model.setdefault(handle.request.model, []).append(handle)
         for name, handles in by_model.items():
             if len(handles) == 1:
-                # a lone sequence's step is too small to split between threads (prefill is not)
-                self._use_threads(1 if handles[0].sequence.prefilled else self._pass_threads)
+                # a lone sequence's step is too small to split between threads, and so is a
+                # short prompt's prefill; a long one's is not
+                seq = handles[0].sequence
+                long_prefill = (not seq.prefilled
+                                and len(seq.prompt) >= THREADED_PREFILL_TOKENS)
+                self._use_threads(self._pass_threads if long_prefill else 1)
                 self._step(handles[0])
             else:
                 self._use_threads(self._pass_threads)

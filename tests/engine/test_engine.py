@@ -1,3 +1,4 @@
+import dataclasses
 import textwrap
 import threading
 import time
@@ -377,3 +378,38 @@ def test_spec_stats_merge():
     b.record(4, 3, 0.0)
     a.merge(b)
     assert (a.drafted, a.accepted, a.target_passes, a.accepted_by_position) == (7, 5, 2, [2, 2, 1])
+
+
+def test_a_lone_prompt_prefills_on_one_thread_unless_it_is_long():
+    """A lone sequence's prefill runs on the engine's ``threads`` only from
+    THREADED_PREFILL_TOKENS prompt tokens (a short prompt's first token came later on two);
+    its later steps on one."""
+    from nodraft.engine.core import THREADED_PREFILL_TOKENS
+
+    model = tiny_model(dtype=torch.float32, config=dataclasses.replace(TINY, max_positions=512))
+    seen: list[tuple[str, int]] = []
+    prefill, verify = model.prefill_pass, model.verify_pass
+
+    def counting(kind, fn):
+        def call(*args, **kwargs):
+            seen.append((kind, torch.get_num_threads()))  # OpenMP's count is per thread
+            return fn(*args, **kwargs)
+        return call
+
+    model.prefill_pass = counting("prefill", prefill)
+    model.verify_pass = counting("verify", verify)
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=1, threads=2)
+    engine.start()
+    try:
+        short = [3] * 10
+        long = [4] * THREADED_PREFILL_TOKENS
+        for prompt, want in ((short, 1), (long, 2)):
+            seen.clear()
+            events = run_all(engine, [GenerationRequest("tiny", prompt, 3)])[0]
+            assert events[-1].kind == "finish", events[-1]
+            # the first step (the prefill, then the first pass) on the prefill's threads;
+            # every later step on one
+            verify = [n for k, n in seen if k == "verify"]
+            assert ("prefill", want) in seen and verify[-2:] == [1, 1], seen
+    finally:
+        engine.stop()
