@@ -39,7 +39,8 @@ The numbers differ from eager micro in the last bits (fused reductions), as eage
 already differs between a 1-row and a k-row pass. A prompt's first 256 rows are
 prefilled by a graph of their own (``prefill``: no cached prefix, SDPA's causal attention,
 no head), later chunks and a packed pass's prompt chunks eagerly; a pass whose family is
-not compiled yet (or whose cached prefix is under two rows) runs eager. Speculative and plain greedy decoding stay token-for-token equal all the same:
+not compiled yet (or whose cached prefix is under two rows) runs eager. Speculative and
+plain greedy decoding stay token-for-token equal all the same:
 tests/server/test_server_compiled.py runs every drafter on both checkpoints with the
 compiled passes a server loads.
 """
@@ -167,14 +168,6 @@ class CompiledPasses:
             m = self._causal[T] = additive_mask(torch.ones(T, T, dtype=torch.bool).tril(), dtype)
         return m
 
-    def _fn(self, lo: int, hi: int, head: bool):
-        key = (lo, hi, head)
-        fn = self._fns.get(key)
-        if fn is None:
-            fn = self._fns[key] = torch.compile(self._core(lo, hi, head), fullgraph=True,
-                                                options=OPTIONS)
-        return fn
-
     @torch.inference_mode()
     def run(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int, start: int,
             mask: Tensor | None, head: bool, compile: bool | None = None
@@ -196,9 +189,8 @@ class CompiledPasses:
         if mask is not None:
             mask = _offset0(mask)
         family = (lo, hi, head, T > 1, tuple(cache.k.shape), h.dtype)
-        fresh = family not in self._ready
-        if fresh and not (self.lazy if compile is None else compile):
-            return None
+        if family not in self._ready and not (self.lazy if compile is None else compile):
+            return None  # before the views are built (``_call`` would say the same)
         if mask is None and T > 1:
             mask = self.causal(T, h.dtype)
         views = self._slots.get((lo, hi, slot))
@@ -207,32 +199,18 @@ class CompiledPasses:
                                                    cache.v[lo:hi, slot])
         k_slot, v_slot = views[2], views[3]  # (layers, H, max_len, D)
         k_past, v_past = k_slot[:, :, :start], v_slot[:, :, :start]
-        if fresh:  # compiled once with the context (and block) length symbolic
-            t0 = time.perf_counter()
-            for x in (k_past, v_past):
-                torch._dynamo.maybe_mark_dynamic(x, 2)
-            if T > 1:
-                for x, d in ((h, 0), (pos, 0), (mask, 0), (mask, 1)):
-                    torch._dynamo.maybe_mark_dynamic(x, d)
-        args = (h, pos, k_past, v_past, mask if T > 1 else None)
-        aot = self.precompiled.fns.get(family)
-        if aot is None and fresh and self.export_to is not None:  # an artifact build
-            aot = self.precompiled.compile(
-                f"passes_{lo}_{hi}{'_head' if head else ''}_{'rows' if T > 1 else 'row'}",
-                family, self._core(lo, hi, head), OPTIONS, args)
-            if aot is None:  # another process of the build compiles this one
-                return None
-        if aot is not None:
-            got = self.precompiled(family, args)
-            if got is None:  # refused by its guards: eager from now on
-                self._ready.discard(family)
-                return None
-            out, logits, k_new, v_new = got
-        else:
-            out, logits, k_new, v_new = self._fn(lo, hi, head)(*args)
-        if fresh:
-            self._ready.add(family)
-            self.compile_seconds += time.perf_counter() - t0
+        # the context (and block) length symbolic
+        dynamic = [(k_past, 2), (v_past, 2)]
+        if T > 1:
+            dynamic += [(h, 0), (pos, 0), (mask, 0), (mask, 1)]
+        got = self._call(family,
+                         f"passes_{lo}_{hi}{'_head' if head else ''}_{'rows' if T > 1 else 'row'}",
+                         lambda: self._core(lo, hi, head),
+                         (h, pos, k_past, v_past, mask if T > 1 else None), dynamic, compile,
+                         key=(lo, hi, head))
+        if got is None:
+            return None
+        out, logits, k_new, v_new = got
         k_slot[:, :, start:start + T] = k_new
         v_slot[:, :, start:start + T] = v_new
         return out, logits
@@ -261,11 +239,14 @@ class CompiledPasses:
         return out[:T]
 
     def _call(self, family: tuple, stem: str, make: Callable[[], Callable], args: tuple,
-              dynamic: list[tuple[Tensor, int]], compile: bool | None):
+              dynamic: list[tuple[Tensor, int]], compile: bool | None,
+              key: tuple | None = None):
         """Run ``family``'s graph on ``args``: loaded, built (an artifact build: compiled
-        and saved) or compiled now (``compile``, as in ``run``) with the dimensions in
-        ``dynamic`` symbolic; None when it is not compiled, another build process compiles
-        it, or its guards refuse these inputs (the caller runs eager)."""
+        and saved as ``stem``) or compiled now (``compile``, as in ``run``) with the
+        dimensions in ``dynamic`` symbolic; None when it is not compiled, another build
+        process compiles it, or its guards refuse these inputs (the caller runs eager).
+        ``make()`` builds the graph's function; compiled in this process, one compiled
+        function serves every family with the same ``key`` (default: the family)."""
         fresh = family not in self._ready
         if fresh and not (self.lazy if compile is None else compile):
             return None
@@ -284,9 +265,10 @@ class CompiledPasses:
                 self._ready.discard(family)
                 return None
         else:
-            fn = self._fns.get(family)
+            fn = self._fns.get(key or family)
             if fn is None:
-                fn = self._fns[family] = torch.compile(make(), fullgraph=True, options=OPTIONS)
+                fn = self._fns[key or family] = torch.compile(make(), fullgraph=True,
+                                                              options=OPTIONS)
             got = fn(*args)
         if fresh:
             self._ready.add(family)
