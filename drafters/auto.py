@@ -17,7 +17,12 @@ own measured time. The candidates, and the signals each is judged on:
   measured drafting time first (one target pass until measured), and only drafts with the
   one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
-- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
+- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft. Asking
+  the candidates is not free (~0.25 ms a step here, request index and proposals), so a
+  *sampled* request where nothing has paid for ``IDLE_BEFORE_PAUSE`` asked steps in a row
+  pauses asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while nothing pays: under
+  sampling drafts rarely pay (at temperature 1.0, asking every step and never drafting
+  measured ~0.91x ``none``). Greedy requests ask every step: a loop can begin at any.
 
 ``alpha`` is estimated per drafter, *match length* (prompt lookup's n-gram, suffix
 decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together) and
@@ -38,7 +43,8 @@ Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 
 rows, interpolated), measured once per model at the first ``auto`` step (in that
 request's own KV slot, past its committed rows; a few milliseconds) and again when the
 model's compiled graphs change -- the same machine's numbers and the same graphs, not a
-FLOP model. Drafting times are measured as auto runs.
+FLOP model -- and corrected by what the passes requests run take (``PassCost.observe``).
+Drafting times are measured as auto runs.
 
 The figures of each step are attributed to the drafter that proposed (``Draft.method``);
 the draft cost is that drafter's own cost model. Lookahead decoding is not a candidate:
@@ -67,6 +73,12 @@ CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
+# Sampled requests only: after this many consulted steps in a row where no draft paid, auto
+# stops consulting its candidates for 1, 2, 4 .. MAX_PAUSE steps (doubling while nothing
+# pays). Consulting costs ~0.25 ms a step here, ~9% of a step at temperature 1.0, where
+# a draft rarely pays; greedy requests consult every step (loops begin at any step).
+IDLE_BEFORE_PAUSE = 2
+MAX_PAUSE = 16
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -135,6 +147,8 @@ class Auto(DrafterBase):
         self._subs: dict[str, DraftContext] = {}
         self.last: tuple[tuple, int] | None = None  # (key, depth) of the last draft
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
+        self.idle = 0  # consulted steps in a row where nothing paid
+        self.pause = 0  # steps left before auto consults its candidates again
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
@@ -182,6 +196,10 @@ class Auto(DrafterBase):
 
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if self.pause:  # sampled, and nothing has paid for a while: plain decoding
+            self.pause -= 1
+            self.last, self.proposals = None, {}
+            return _NONE
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
@@ -227,7 +245,11 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
+            self.idle += 1
+            if reg != "greedy" and self.idle >= IDLE_BEFORE_PAUSE:
+                self.pause = min(2 ** (self.idle - IDLE_BEFORE_PAUSE), MAX_PAUSE)
             return _NONE
+        self.idle = 0
         draft, k = best_draft
         draft = draft.prefix(k, method=best_key[0])
         self.last = (best_key, max(draft.depths()))

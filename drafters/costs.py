@@ -2,8 +2,9 @@
 
 ``PassCost(rows)`` is the seconds of ONE sequence's verification pass over ``rows`` rows
 (the current token and its draft), timed here on the model's own graphs (compiled when
-they are) at ``ROWS`` sizes and interpolated between them. A table, not a line: compiled
-passes jump from one row to two (another graph) and then grow with the matmuls.
+they are) at ``ROWS`` sizes and interpolated between them, then corrected by the passes
+requests run (``PassCost.observe``). A table, not a line: compiled passes jump from one
+row to two (another graph) and then grow with the matmuls.
 
 Two readers: ``auto`` prices each candidate draft with it, and the engine prices every
 request's passes with it for the measured-cost speed-up (``engine.stats``). A table is
@@ -13,6 +14,7 @@ when the model's compiled graphs change, passes cost something else.
 
 from __future__ import annotations
 
+import statistics
 import time
 import weakref
 from typing import Callable
@@ -21,7 +23,10 @@ import torch
 
 ROWS = (1, 2, 3, 5, 9, 17)  # the pass sizes timed; between them, linear interpolation
 MAX_ROWS = 65  # the current token and the longest draft auto sends
-ROUNDS = 7  # timed passes per size (each keeps its fastest)
+ROUNDS = 7  # timed runs per size
+RUN = 3  # consecutive passes of one size a run: its first pays for the switch of graphs
+# (its weights and code out of the caches), which a decode loop of that size does not
+LEARN = 0.1  # how fast the prices follow the passes requests run
 # the cached rows the engine's passes are timed past: a request's passes run past its
 # prompt, and compiled graphs only past a few cached rows (micro.compiled.MIN_CONTEXT;
 # shorter prefixes run eager), so a table timed at 0 priced compiled passes as eager ones
@@ -35,17 +40,47 @@ def timing_start(max_len: int) -> int:
 
 
 class PassCost:
-    """Seconds of a target pass over ``rows`` rows, from passes timed on this machine at
-    ``ROWS`` sizes and interpolated (extrapolated past the largest)."""
+    """Seconds of a target pass over ``rows`` rows: the table timed on this machine at
+    ``ROWS`` sizes (interpolated; extrapolated past the largest), scaled by how the passes
+    requests run compare with it (``observe``) -- one scale for one-row passes, one for
+    passes of several rows (another graph), never below a one-row pass.
+
+    The table prices passes as a loop of one size runs them. A request's passes cost
+    more, and not by the same factor at every size: sampling and bookkeeping run between
+    them, and a pass of several rows after one of one row (another graph) starts with its
+    weights and code out of the caches. Priced by the table alone, drafts looked cheaper
+    than they were, and ``auto`` drafted under sampling where drafts cost more than they
+    gave."""
 
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)
         self.secs = [table[r] for r in self.rows]
         # every size a draft can reach, looked up rather than interpolated per call
         self.by_rows = [self._interpolate(r) for r in range(MAX_ROWS + 1)]
+        self.one_scale = 1.0  # moving averages of (a pass run) / (the table's figure):
+        self.rows_scale: float | None = None  # one-row passes; several (None: none seen)
+
+    def table(self, rows: int) -> float:
+        """The timed table's figure for ``rows``."""
+        return self.by_rows[rows] if rows <= MAX_ROWS else self._interpolate(rows)
 
     def __call__(self, rows: int) -> float:
-        return self.by_rows[rows] if rows <= MAX_ROWS else self._interpolate(rows)
+        one = self.one_scale * self.by_rows[1]
+        if rows <= 1:
+            return one
+        scale = self.one_scale if self.rows_scale is None else self.rows_scale
+        return max(one, scale * self.table(rows))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A request's pass of ``rows`` rows took ``seconds``: move the scale of its kind
+        (one row, several) a step (``LEARN``) towards what it says. A pass counts as at
+        most three times its price, so a preempted one moves the scale little."""
+        ratio = seconds / self.table(rows)
+        if rows <= 1:
+            self.one_scale += LEARN * (min(ratio, 3.0 * self.one_scale) - self.one_scale)
+        else:
+            now = self.one_scale if self.rows_scale is None else self.rows_scale
+            self.rows_scale = now + LEARN * (min(ratio, 3.0 * now) - now)
 
     def _interpolate(self, rows: int) -> float:
         r, s = self.rows, self.secs
@@ -77,11 +112,14 @@ def measure(model, cache, slot: int, start: int,
             stop: Callable[[], bool] | None = None) -> PassCost | None:
     """Time passes of every ``ROWS`` size in ``cache``'s ``slot`` at positions ``start``..
     (rows the caller treats as scratch: nothing is committed) and keep the table for the
-    model's compiled state. The sizes alternate and each keeps its fastest time: on a
-    shared machine the minimum is the pass's own cost, a median can be another process's.
+    model's compiled state. Runs of ``RUN`` passes of one size alternate, and each size
+    keeps the median of its passes after the first of each run. (Not the fastest: a pass of
+    several rows varies more than a one-row pass, and its fastest is far from its typical
+    cost in a decode loop; priced by their fastest, 3 rows cost 1.2 one-row passes here,
+    by their median 1.8.)
     Needs ``start + ROWS[-1] <= cache.max_len``. ``stop()``, asked between rounds: give up
     (None, nothing kept), a request has come."""
-    times = {rows: float("inf") for rows in ROWS}
+    times: dict[int, list[float]] = {rows: [] for rows in ROWS}
     with torch.inference_mode():
         for rows in times:  # warm-up
             model.verify_pass(torch.zeros(rows, dtype=torch.long), cache, slot, start)
@@ -90,12 +128,15 @@ def measure(model, cache, slot: int, start: int,
                 return None
             for rows in times:
                 x = torch.zeros(rows, dtype=torch.long)
-                t0 = time.perf_counter()
-                model.verify_pass(x, cache, slot, start)
-                times[rows] = min(times[rows], time.perf_counter() - t0)
+                for i in range(RUN):
+                    t0 = time.perf_counter()
+                    model.verify_pass(x, cache, slot, start)
+                    if i:
+                        times[rows].append(time.perf_counter() - t0)
+    table = {rows: statistics.median(t) for rows, t in times.items()}
     for i in range(1, len(ROWS)):  # more rows never cost less
-        times[ROWS[i]] = max(times[ROWS[i]], times[ROWS[i - 1]])
-    cost = PassCost(times)
+        table[ROWS[i]] = max(table[ROWS[i]], table[ROWS[i - 1]])
+    cost = PassCost(table)
     state = compiled_state(model)  # the state after timing (a lazy compile may have run)
     _COSTS.setdefault(model, {})[state] = cost
     _LATEST[model] = (state, cost)

@@ -292,7 +292,10 @@ class Sequence:
         if not self.prefilled:
             self.prefill()
         draft = self.propose()
+        t0 = time.perf_counter()
         logits, hidden = self.verify(draft)
+        if self.pass_cost is not None and not self._reused:  # a whole pass: what it cost
+            self.pass_cost.observe(1 + len(draft) + draft.n_aux, time.perf_counter() - t0)
         path, bonus = self._accept(logits, draft)
         return self.commit(draft, path, bonus, hidden, logits)
 

@@ -54,22 +54,45 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
+NUCLEUS_TOPK = (256, 1024)  # top-k sizes tried for top-p's nucleus before a full sort
+
+
 def target_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
-    """The target's sampling distribution, rows (..., V): temperature, then top-k, then top-p."""
+    """The target's sampling distribution, rows (..., V): temperature, then top-k, then top-p.
+
+    Top-p keeps the smallest prefix of the tokens, most likely first, whose probabilities
+    reach ``top_p`` (never less than the most likely token). That prefix is looked for in
+    the ``NUCLEUS_TOPK`` most likely tokens first (``topk``: a tenth of a full sort's time
+    over micro's 4,096): where it ends inside them in every row, the rest of the ranking
+    cannot matter, and the result is the full sort's."""
     logits = logits.float() / sp.temperature
     if sp.top_k and sp.top_k < logits.shape[-1]:
         kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
     if sp.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        cum = sorted_p.cumsum(-1)
-        drop_sorted = (cum - sorted_p) >= sp.top_p  # keep the smallest prefix reaching top_p
-        drop_sorted[..., 0] = False  # ...and never less than the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        keep = _nucleus(probs, sp.top_p)
+        probs = probs.masked_fill(~keep, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _nucleus(probs: Tensor, top_p: float) -> Tensor:
+    """Bool (..., V): the tokens of top-p's nucleus."""
+    V = probs.shape[-1]
+    for k in NUCLEUS_TOPK:
+        if k >= V:
+            break
+        vals, order = probs.topk(k, dim=-1)  # the k most likely, most likely first
+        before = vals.cumsum(-1) - vals  # the mass ranked above each
+        if bool((before[..., -1] >= top_p).all()):  # the k-th is out: so is all after it
+            keep = before < top_p
+            keep[..., 0] = True
+            return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+    vals, order = probs.sort(dim=-1, descending=True)
+    keep = (vals.cumsum(-1) - vals) < top_p  # the smallest prefix reaching top_p
+    keep[..., 0] = True  # ...and never less than the most likely token
+    return keep.scatter(-1, order, keep)
 
 
 def children_of(draft: Draft) -> list[list[int]]:
@@ -112,9 +135,8 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
                 return path, want
             path.append(nxt)
             row = nxt + 1
-    probs = target_probs(logits, sp)
-    while True:
-        p = probs[row]
+    while True:  # each row's distribution only when the walk reaches it
+        p = target_probs(logits[row], sp)
         kids = children[row]
         if not kids:
             return path, _sample(p, gen)
@@ -128,7 +150,7 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
             residual = (p - q).clamp_min(0.0)
             total = float(residual.sum())
             return path, _sample(residual / total if total > 0 else p, gen)
-        p = p.clone()
+        p_row, p = p, p.clone()
         for c in kids:  # deterministic children, the sibling rule
             x = tokens[c]
             mass = float(p.sum())
@@ -139,4 +161,4 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
             p[x] = 0.0
         else:
             mass = float(p.sum())  # zero only if rounding used up the support: fall back to p
-            return path, _sample(p / mass if mass > 0 else probs[row], gen)
+            return path, _sample(p / mass if mass > 0 else p_row, gen)

@@ -15,8 +15,9 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
 - **Weights laid out (in, out).** The graphs multiply by contiguous (in, out) copies of
   the weights (``transposed_weights``), which MKL multiplies a few rows by faster than
   the (out, in) originals ``F.linear`` reads transposed.
-- **Products by nodraft::mm** (micro/gemm.py) where it builds: a few-row AVX-512 kernel,
-  cheaper than MKL's at 2-9 rows, and batch-invariant; otherwise ``torch.mm``.
+- **Products by nodraft::mm** (micro/gemm.py) where it builds: a few-row AVX-512 or AVX2
+  kernel, cheaper than MKL's at 2-9 rows, and batch-invariant, over weights laid out for
+  it (``gemm.pack``: on AVX2, 16-column blocks); otherwise ``torch.mm``.
 - **Attention is split at the cache boundary.** Scores against the cached rows and against
   the block itself (under the block's mask: causal for chains, the tree for trees) are
   soft-maxed together, then each part weights its own values. No concatenation of the
@@ -119,6 +120,7 @@ class CompiledPasses:
         self._causal: dict[int, Tensor] = {}
         self._slots: dict[tuple[int, int, int], tuple] = {}  # a slot's K/V views per range
         self._wt: dict[str, Tensor] | None = None  # transposed_weights, built at first compile
+        self._wt_mm: dict[str, Tensor] | None = None  # the same as the product reads them
         self.compile_seconds = 0.0
         self.precompiled = Precompiled()  # graphs built ahead of time (``load``, ``export_to``)
         self.artifacts: Path | None = None  # the folder they were loaded from (drafters' too)
@@ -129,9 +131,19 @@ class CompiledPasses:
             self.gemm_kind = gemm.choose(self.gemm)
         return self._wt
 
-    def _core(self, lo: int, hi: int, head: bool):
-        wt = self._weights()
-        return _make_core(self.model, lo, hi, head, wt, gemm.matmul(self.gemm_kind))
+    def _product_weights(self) -> dict[str, Tensor]:
+        """``transposed_weights`` laid out for the product in use (``gemm.pack``)."""
+        if self._wt_mm is None:
+            wt = self._weights()
+            self._wt_mm = ({k: gemm.pack(w) for k, w in wt.items()}
+                           if self.gemm_kind == "nodraft" else wt)
+        return self._wt_mm
+
+    def _core(self, lo: int, hi: int, head: bool, rows: bool = True):
+        if not rows and gemm.unit() == "AVX2":  # one row: MKL's matrix-vector product,
+            return _make_core(self.model, lo, hi, head, self._weights(), torch.mm)
+        return _make_core(self.model, lo, hi, head, self._product_weights(),
+                          gemm.matmul(self.gemm_kind))
 
     def _prefill_core(self):
         # torch.mm whatever the product: a prompt is many rows, which MKL is built for
@@ -142,7 +154,7 @@ class CompiledPasses:
         """A saved family's function, rebuilt for this model (``load``)."""
         if family[0] == PREFILL:
             return self._prefill_core()
-        return self._core(family[0], family[1], family[2])
+        return self._core(family[0], family[1], family[2], family[3])
 
     def load(self, folder: Path) -> int:
         """Load the families saved in ``folder`` (``export_to`` of an artifact build for
@@ -205,9 +217,9 @@ class CompiledPasses:
             dynamic += [(h, 0), (pos, 0), (mask, 0), (mask, 1)]
         got = self._call(family,
                          f"passes_{lo}_{hi}{'_head' if head else ''}_{'rows' if T > 1 else 'row'}",
-                         lambda: self._core(lo, hi, head),
+                         lambda: self._core(lo, hi, head, T > 1),
                          (h, pos, k_past, v_past, mask if T > 1 else None), dynamic, compile,
-                         key=(lo, hi, head))
+                         key=(lo, hi, head, T > 1))
         if got is None:
             return None
         out, logits, k_new, v_new = got
@@ -523,9 +535,9 @@ def _mix(h: Tensor, y: Tensor, w: tuple, mm) -> Tensor:
     """The rest of a layer after attention's output y (H, T, D): the output projection,
     the residual, the SwiGLU feed-forward and its residual."""
     fn, wo, w13, w2 = w[1], w[3], w[4], w[5]
-    T, HD = h.shape[0], wo.shape[0]
+    T, HD = h.shape[0], wo.shape[-2]  # in-features: (in, out), or packed (blocks, in, 16)
     h = h + mm(y.transpose(0, 1).reshape(T, HD), wo)
-    gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(w2.shape[0],
+    gate, up = mm(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps), w13).split(w2.shape[-2],
                                                                                dim=-1)
     return h + mm(F.silu(gate) * up, w2)
 

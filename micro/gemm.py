@@ -3,9 +3,13 @@
 A decode step multiplies 1 row by each weight matrix; a verification pass 2-17. MKL's
 sgemm, which ``torch.mm`` calls, is built for large products: a 2-row product costs far
 more than a 1-row one though every row reads the same weights. ``csrc/gemm.cpp`` holds a
-tile of up to 6 rows by 64 columns in registers and reads each weight once for all of its
-rows. Whole compiled passes with each product, alternated in one run:
-``benchmarks/passes.py`` (docs/passes.json; docs/BENCHMARKS.md, "What a pass costs").
+tile of a few rows by a block of columns in registers and reads each weight once for all
+of its rows: up to 6 rows by 64 columns on AVX-512, up to 6 rows by 16 columns on AVX2,
+where the compiled passes give it their weights packed (``pack``: each 16-column block
+contiguous, read in order, so a weight that is not in cache streams in instead of being
+fetched a 64-byte piece at a time). Whole compiled passes with each product, alternated in
+one run: ``benchmarks/passes.py`` (docs/passes.json; docs/BENCHMARKS.md, "What a pass
+costs").
 
 It is also **batch-invariant**: every output element is one sum over k in order, however
 many rows the call has and however its columns are split between threads
@@ -15,11 +19,12 @@ pass disagree in the last bits. The attention around them still differs between 
 sizes, so that speculative greedy equals plain greedy still rests on the equivalence
 tests, as before.
 
-Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 -mavx512f -mfma, 10-20 s
-once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``; a build stopped
-midway never blocks the next, ``build_lock``), on CPUs that report AVX-512 (``torch.backends.cpu.get_cpu_capability()``). Elsewhere, or if the build
-fails, ``choose`` picks ``torch.mm`` and a warning says why. ``NODRAFT_GEMM=torch`` chooses
-``torch.mm`` everywhere (the A/B the benchmarks run).
+Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 with -mavx512f or -mavx2
+-mfma, 10-20 s once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``,
+a folder per vector unit; a build stopped midway never blocks the next, ``build_lock``),
+on CPUs that report AVX-512 or AVX2 (``torch.backends.cpu.get_cpu_capability()``).
+Elsewhere, or if the build fails, ``choose`` picks ``torch.mm`` and a warning says why.
+``NODRAFT_GEMM=torch`` chooses ``torch.mm`` everywhere (the A/B the benchmarks run).
 """
 
 from __future__ import annotations
@@ -44,23 +49,30 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": bool, "why": str
 
 
+# per vector unit: the extension's name (its own build folder) and compiler flags
+BUILDS = {"AVX512": (NAME, ["-O3", "-mavx512f", "-mfma"]),
+          "AVX2": (NAME + "_avx2", ["-O3", "-mavx2", "-mfma"])}
+PACK = 16  # the AVX2 build's columns per block of a packed weight
+
+
 def _build() -> tuple[bool, str]:
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return False, f"this CPU's vector unit is {torch.backends.cpu.get_cpu_capability()}, not AVX512"
+    unit = torch.backends.cpu.get_cpu_capability()
+    if unit not in BUILDS:
+        return False, f"this CPU's vector unit is {unit}, not AVX512 or AVX2"
+    name, flags = BUILDS[unit]
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        with build_lock(Path(_get_build_directory(NAME, verbose=False))):
-            load(NAME, [str(SOURCE)], extra_cflags=["-O3", "-mavx512f", "-mfma"],
-                 is_python_module=False, verbose=False)
+        with build_lock(Path(_get_build_directory(name, verbose=False))):
+            load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=False)
     except Exception as e:  # no compiler, no headers: torch.mm serves
         return False, f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1][:300]}"
 
     @torch.library.register_fake("nodraft::mm")
     def _(a: Tensor, b: Tensor) -> Tensor:
-        return a.new_empty((a.shape[0], b.shape[1]))
+        return a.new_empty((a.shape[0], b.shape[0] * b.shape[2] if b.dim() == 3 else b.shape[1]))
 
-    return True, "built"
+    return True, f"built for {unit}"
 
 
 @contextlib.contextmanager
@@ -89,10 +101,27 @@ def load() -> bool:
     with _lock:
         if "loaded" not in _state:
             ok, why = _build()
-            _state.update(loaded=ok, why=why)
+            _state.update(loaded=ok, why=why,
+                          unit=torch.backends.cpu.get_cpu_capability() if ok else None)
             if not ok:
                 log.warning("nodraft::mm unavailable (%s); the compiled passes use torch.mm", why)
         return bool(_state["loaded"])
+
+
+def unit() -> str | None:
+    """The vector unit ``nodraft::mm`` was built for ('AVX512' or 'AVX2'); None before
+    ``load()`` or where it did not build."""
+    return _state.get("unit")  # type: ignore[return-value]
+
+
+def pack(w: Tensor) -> Tensor:
+    """A (K, N) weight as ``nodraft::mm`` reads it fastest: on the AVX2 build, (N / 16, K,
+    16), each block of 16 columns contiguous (float32, N a multiple of 16); otherwise ``w``
+    itself. Either way ``nodraft::mm(a, pack(w))`` equals ``nodraft::mm(a, w)`` bit for bit."""
+    if unit() != "AVX2" or w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % PACK:
+        return w
+    K, N = w.shape
+    return w.detach().reshape(K, N // PACK, PACK).permute(1, 0, 2).contiguous()
 
 
 def why() -> str:

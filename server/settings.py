@@ -86,7 +86,7 @@ class Settings(BaseSettings):
                                        "$XDG_CACHE_HOME/nodraft, else ~/.cache/nodraft)")
     gemm: Literal["auto", "torch"] = Field(
         "auto", description="the compiled passes' matrix product: auto (nodraft's few-row "
-        "AVX-512 kernel, built at the first compile, where the CPU has AVX-512; else "
+        "kernel, built at the first compile, where the CPU has AVX-512 or AVX2; else "
         "torch.mm) or torch (torch.mm, i.e. MKL, everywhere); micro/gemm.py")
     log_level: str = Field("info", description="uvicorn's log level")
 

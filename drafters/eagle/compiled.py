@@ -38,9 +38,11 @@ class CompiledDraft:
         from nodraft.micro import gemm
 
         self.loaded, self.compiled = loaded, compiled  # compiled: the target's CompiledPasses
-        self.mm = gemm.matmul(gemm.choose(compiled.gemm))
+        kind = gemm.choose(compiled.gemm)
+        self.mm = gemm.matmul(kind)
+        lay_out = gemm.pack if kind == "nodraft" else (lambda w: w)  # as the product reads them
         with torch.no_grad():
-            self.wt = {name: p.t().contiguous()
+            self.wt = {name: lay_out(p.t().contiguous())
                        for name, p in loaded.head.layer.named_parameters() if p.dim() == 2}
         self._fns: dict[tuple, object] = {}
         self._ready: set[tuple] = set()

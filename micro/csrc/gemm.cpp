@@ -1,10 +1,19 @@
 // nodraft::mm -- C = A @ B for the few rows a decode or verification pass carries.
 //
-// A (M, K) and B (K, N) float32, row-major; B is a weight in (in, out) layout. A tile of
-// up to 6 rows by up to 64 columns keeps its sums in 24 AVX-512 registers while it walks
-// k = 0 .. K-1 once, reading each row of the tile's B columns once for all of its rows.
-// MKL's sgemm, tuned for large M, costs ~2x more than this at 2-5 rows on micro's shapes
-// (benchmarks/passes.py; micro/gemm.py has the figures).
+// A (M, K) float32, row-major; B a weight in (in, out) layout: (K, N) row-major, or (AVX2
+// build) packed as (N / 16, K, 16), each block of 16 columns contiguous (micro/gemm.py,
+// ``pack``). A tile of a few rows by a block of columns keeps its sums in vector registers
+// while it walks k = 0 .. K-1 once, reading each row of the block's B columns once for all
+// of its rows. MKL's sgemm, tuned for large M, costs ~2x more than this at 2-5 rows on
+// micro's shapes (benchmarks/passes.py; micro/gemm.py has the figures). Two builds:
+//
+// - AVX-512 (-mavx512f): tiles of up to 6 rows by 64 columns, 24 registers of sums; B
+//   (K, N);
+// - AVX2 (-mavx2 -mfma): tiles of up to 6 rows by 16 columns, 12 registers of sums. Read
+//   from a (K, N) weight, each k of a block is a 64-byte piece of a row N floats long:
+//   a stride the hardware prefetcher does not follow across pages, so a weight not in
+//   cache is read at memory latency. Packed, a block is K * 64 contiguous bytes, read in
+//   order.
 //
 // Every C element is one sum over k in order 0 .. K-1 (one fused multiply-add per k),
 // whatever M is, however the columns are split between threads: a row's result does not
@@ -17,6 +26,8 @@
 #include <immintrin.h>
 
 namespace {
+
+#ifdef __AVX512F__
 
 // The sums live in MR x NV registers: a one-dimensional array, fully unrolled -- GCC 12
 // keeps a two-dimensional one on the stack and stores it back every k (2x slower at 2 rows).
@@ -73,20 +84,94 @@ void column(const float* a, int64_t M, int64_t K, const float* b, int64_t N, flo
   }
 }
 
+#else  // AVX2
+
+constexpr int64_t W = 16;  // columns per block: two vectors of 8
+
+// a mask of the first t lanes (0 < t <= 8) for maskload / maskstore
+inline __m256i lanes(int64_t t) {
+  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - t));
+}
+
+// MR rows by NV vectors of columns; B's rows are ldb floats apart, C's N
+template <int MR, int NV>
+inline void tile(const float* a, int64_t K, const float* b, int64_t ldb, float* c, int64_t N,
+                 __m256i last) {
+  __m256 acc[MR * NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR * NV; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* bk = b + k * ldb;
+    __m256 bv[NV];
+    if constexpr (NV == 2) bv[0] = _mm256_loadu_ps(bk);
+    bv[NV - 1] = _mm256_maskload_ps(bk + 8 * (NV - 1), last);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 av = _mm256_broadcast_ss(a + m * K + k);
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[m * NV + v] = _mm256_fmadd_ps(av, bv[v], acc[m * NV + v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    if constexpr (NV == 2) _mm256_storeu_ps(c + m * N, acc[m * NV]);
+    _mm256_maskstore_ps(c + m * N + 8 * (NV - 1), last, acc[m * NV + NV - 1]);
+  }
+}
+
+template <int NV>
+void rows(int64_t mr, const float* a, int64_t K, const float* b, int64_t ldb, float* c,
+          int64_t N, __m256i last) {
+  switch (mr) {
+    case 6: tile<6, NV>(a, K, b, ldb, c, N, last); break;
+    case 5: tile<5, NV>(a, K, b, ldb, c, N, last); break;
+    case 4: tile<4, NV>(a, K, b, ldb, c, N, last); break;
+    case 3: tile<3, NV>(a, K, b, ldb, c, N, last); break;
+    case 2: tile<2, NV>(a, K, b, ldb, c, N, last); break;
+    default: tile<1, NV>(a, K, b, ldb, c, N, last); break;
+  }
+}
+
+// One block of columns for all M rows: ceil(M / 6) tiles of near-equal height.
+template <int NV>
+void column(const float* a, int64_t M, int64_t K, const float* b, int64_t ldb, float* c,
+            int64_t N, __m256i last) {
+  const int64_t tiles = (M + 5) / 6;
+  for (int64_t t = 0, m = 0; t < tiles; ++t) {
+    const int64_t mr = (M - m) / (tiles - t);
+    rows<NV>(mr, a + m * K, K, b, ldb, c + m * N, N, last);
+    m += mr;
+  }
+}
+#endif
+
 at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
-  TORCH_CHECK(a_in.dim() == 2 && b_in.dim() == 2 && a_in.size(1) == b_in.size(0),
+  const bool packed = b_in.dim() == 3;
+  TORCH_CHECK(a_in.dim() == 2 && (b_in.dim() == 2 || packed) &&
+                  a_in.size(1) == b_in.size(packed ? 1 : 0),
               "nodraft::mm: expected (M, K) @ (K, N), got ", a_in.sizes(), " @ ", b_in.sizes());
+#ifdef __AVX512F__
+  TORCH_CHECK(!packed, "nodraft::mm: packed weights are the AVX2 build's (micro/gemm.py, pack)");
+#else
+  TORCH_CHECK(!packed || b_in.size(2) == W, "nodraft::mm: a packed weight is (N / ", W,
+              ", K, ", W, "), got ", b_in.sizes());
+  if (packed && (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat))
+    return at::mm(a_in, b_in.permute({1, 0, 2}).reshape({b_in.size(1), -1}));
+#endif
   if (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat)
     return at::mm(a_in, b_in);
   const at::Tensor a = a_in.contiguous();
   const at::Tensor b = b_in.contiguous();
-  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  const int64_t M = a.size(0), K = a.size(1);
+  const int64_t N = packed ? b.size(0) * b.size(2) : b.size(1);
   at::Tensor c = at::empty({M, N}, a.options());
   if (M == 0 || N == 0) return c;
   if (K == 0) return c.zero_();
   const float* pa = a.data_ptr<float>();
   const float* pb = b.data_ptr<float>();
   float* pc = c.data_ptr<float>();
+#ifdef __AVX512F__
   const int64_t blocks = (N + 63) / 64;
   // at least ~256K multiply-adds per task: small products stay on the calling thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * 64));
@@ -103,6 +188,21 @@ at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
       }
     }
   });
+#else
+  const int64_t blocks = (N + W - 1) / W;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * W));
+  at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
+    for (int64_t j = lo; j < hi; ++j) {
+      const int64_t n0 = j * W, w = std::min<int64_t>(W, N - n0);
+      const int64_t nv = (w + 7) / 8;
+      const __m256i last = lanes(w - 8 * (nv - 1));
+      const float* bj = packed ? pb + j * K * W : pb + n0;  // block j's first row
+      const int64_t ldb = packed ? W : N;
+      if (nv == 2) column<2>(pa, M, K, bj, ldb, pc + n0, N, last);
+      else column<1>(pa, M, K, bj, ldb, pc + n0, N, last);
+    }
+  });
+#endif
   return c;
 }
 

@@ -75,6 +75,50 @@ def test_auto_skips_trained_drafters_without_weights_and_rejects_unknown_candida
         reg.parse({"method": "auto", "candidates": "prompt_lookup,early_exit"})
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
+    """Greedy: the candidates every step. Sampled: after IDLE_BEFORE_PAUSE steps where
+    nothing paid, pauses of 1, 2, 4 .. MAX_PAUSE steps of plain decoding."""
+    from nodraft.drafters import auto as auto_module
+    from nodraft.drafters.base import Draft
+    from nodraft.engine.verify import SamplingParams
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL))
+    asked = []
+
+    def nothing(ctx, budget):
+        asked.append(len(ctx.tokens))
+        return Draft.empty()
+
+    auto.drafters["prompt_lookup"].propose = nothing
+    out, seq, steps = generate(MODEL, list(range(1, 20)), 60, drafter=auto,
+                               sampling=SamplingParams(temperature=temperature, seed=3))
+    assert len(steps) == 60 and not any(s.draft for s in steps)
+    # the last step has no room for a draft: the sequence does not ask for one
+    if temperature == 0.0:
+        assert len(asked) == 59
+    else:  # consulted at steps 0, 1, then after pauses of 1, 2, 4, 8, 16, 16 ...
+        want, step, idle = [], 0, 0
+        while step < 59:
+            want.append(step)
+            idle += 1
+            pause = (min(2 ** (idle - auto_module.IDLE_BEFORE_PAUSE), auto_module.MAX_PAUSE)
+                     if idle >= auto_module.IDLE_BEFORE_PAUSE else 0)
+            step += 1 + pause
+        prompt_len = 19
+        assert [n - prompt_len for n in asked] == want and len(asked) < 15
+
+
+def test_a_draft_that_pays_ends_the_pause():
+    from nodraft.engine.verify import SamplingParams
+
+    prompt = [4, 8, 15, 16, 23, 42] * 8  # prompt lookup matches at every step
+    _, seq, steps = generate(MODEL, prompt, 40, "auto", {"candidates": "prompt_lookup"},
+                             SamplingParams(temperature=0.7, seed=1))
+    assert sum(1 for s in steps if s.draft) > 5
+
+
 def test_acceptance_learned_by_one_request_informs_the_next():
     shared: dict = {}
     prompt = [4, 8, 15, 16, 23, 42] * 6

@@ -59,6 +59,52 @@ def test_figures_follow_the_definitions():
     assert plain.stats.to_dict()["drafted"] == 0
 
 
+def test_pass_prices_learn_from_the_passes_requests_run():
+    from nodraft.drafters.costs import LEARN, PassCost
+    cost = PassCost({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
+    assert cost(1) == 1e-3 and cost(4) == pytest.approx(1.9e-3)  # the table, interpolated
+    for _ in range(200):  # one-row passes run 1.6x the table
+        cost.observe(1, 1.6e-3)
+    assert cost(1) == pytest.approx(1.6e-3, rel=1e-3)
+    assert cost(3) == pytest.approx(1.6 * 1.8e-3, rel=1e-3)  # no pass of several rows seen
+    cost.observe(3, 2 * 1.8e-3 * 1.6)  # a 3-row pass at twice its price
+    assert cost(3) == pytest.approx(1.8e-3 * 1.6 * (1 + LEARN))  # one step of the way
+    assert cost(9) == pytest.approx(3e-3 * 1.6 * (1 + LEARN))  # every size of several rows
+    for _ in range(300):  # passes of several rows at 0.4x the table
+        cost.observe(5, 0.8e-3)
+    assert cost(17) == pytest.approx(0.4 * 5e-3, rel=1e-3)
+    assert cost(2) == cost(1)  # 0.4 x 1.5e-3 would be below a one-row pass: never
+    before = cost.one_scale
+    cost.observe(1, 1.0)  # a preempted pass: counted as three times its price at most
+    assert cost.one_scale == pytest.approx(before + LEARN * 2 * before)
+
+
+def test_a_sequence_teaches_its_prices_with_whole_passes_only():
+    from nodraft.drafters.costs import PassCost
+
+    class Recording(PassCost):
+        def observe(self, rows, seconds):
+            seen.append((rows, seconds))
+
+    reg = Registry()
+    for method, params, whole in (("prompt_lookup", {}, True), ("early_exit", {"exit_layer": 2}, False)):
+        seen = []
+        table = Recording({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
+        cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
+        seq = Sequence(MODEL, cache, 0, [1, 2, 3, 4] * 6, reg.build(
+            *reg.parse({"method": method, **params}), drafter_env(MODEL)), 20, method=method,
+            pass_cost=table)
+        steps = []
+        with torch.inference_mode():
+            while not seq.done:
+                steps.append(seq.step())
+        drafted = [1 + len(r.draft) for r in steps]
+        if whole:  # every pass, by its rows
+            assert [rows for rows, _ in seen] == drafted and all(t > 0 for _, t in seen)
+        else:  # early exit's passes reuse its draft's lower layers: not a whole pass's cost
+            assert [rows for rows, _ in seen] == [d for d in drafted if d == 1]
+
+
 def test_early_exit_cost_is_counted():
     _, seq, _ = generate(MODEL, [1, 2, 3], 10, "early_exit", {"exit_layer": 2, "num_speculative_tokens": 2})
     s = seq.stats
@@ -70,7 +116,12 @@ def test_measured_cost_figures_price_each_pass_by_its_rows():
     """plain seconds: (accepted + 1) one-row passes a pass; verify seconds: the table's
     price of a pass of that many rows; draft seconds: the drafter's timed work."""
     from nodraft.drafters.costs import PassCost
-    table = PassCost({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
+
+    class Fixed(PassCost):  # prices that do not learn from the passes run (below)
+        def observe(self, rows, seconds):
+            pass
+
+    table = Fixed({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
     prompt = [1, 2, 3, 4] * 6
     cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
     reg = Registry()
@@ -230,6 +281,26 @@ def test_top_k_and_top_p_keep_the_right_support():
     assert p.tolist() == pytest.approx([0.625, 0.375, 0, 0])
     p = target_probs(logits, SamplingParams(temperature=1.0, top_k=3))
     assert p[3] == 0 and p.sum() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.9, 0.95, 0.999])
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0])  # flat to peaked: nuclei of 1 to ~4000
+def test_top_p_from_the_top_k_equals_top_p_from_a_full_sort(top_p, scale):
+    g = torch.Generator().manual_seed(int(scale * 10 + top_p * 1000))
+    logits = torch.randn(6, 4096, generator=g) * scale
+    sp = SamplingParams(temperature=0.8, top_p=top_p)
+    # the reference: rank every token
+    probs = (logits / 0.8).softmax(-1)
+    vals, order = probs.sort(dim=-1, descending=True)
+    keep = (vals.cumsum(-1) - vals) < top_p
+    keep[..., 0] = True
+    want = probs.masked_fill(~keep.scatter(-1, order, keep), 0.0)
+    want = want / want.sum(-1, keepdim=True)
+    got = target_probs(logits, sp)
+    assert torch.equal(got > 0, want > 0)  # the same nucleus in every row
+    torch.testing.assert_close(got, want)
+    for r in range(6):  # and row by row, as verification asks for them
+        torch.testing.assert_close(target_probs(logits[r], sp), want[r])
 
 
 def test_registry_errors_list_what_exists():

@@ -35,6 +35,33 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(K, N):
         assert torch.equal(mm(a[:i + 1], b), full[:i + 1])
 
 
+@settings(max_examples=40, deadline=None)
+@given(M=st.integers(1, 20), K=st.integers(1, 400), blocks=st.integers(1, 20),
+       seed=st.integers(0, 99))
+def test_a_packed_weight_gives_the_same_bits(M, K, blocks, seed):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(M, K, generator=g), torch.randn(K, gemm.PACK * blocks, generator=g)
+    packed = gemm.pack(b)
+    if gemm.unit() == "AVX2":  # 16-column blocks, each contiguous
+        assert packed.shape == (blocks, K, gemm.PACK)
+        assert torch.equal(packed[1 % blocks], b[:, gemm.PACK * (1 % blocks):][:, :gemm.PACK])
+    else:
+        assert packed is b
+    assert torch.equal(mm(a, packed), mm(a, b))
+    torch.testing.assert_close(mm(a, packed), a @ b, rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+def test_weights_that_cannot_be_packed_are_left_as_they_are():
+    b = torch.randn(160, 70)  # 70 columns: not whole blocks
+    assert gemm.pack(b) is b and gemm.pack(b.double()) is not None
+    if gemm.unit() == "AVX2":
+        with pytest.raises(RuntimeError, match="a packed weight is"):
+            mm(torch.randn(2, 160), torch.randn(4, 160, 8))
+        w = torch.randn(160, 32)  # a packed double weight: torch.mm's numbers
+        a = torch.randn(3, 160)
+        torch.testing.assert_close(mm(a.double(), gemm.pack(w).double()), a.double() @ w.double())
+
+
 def test_threads_do_not_change_the_bits():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(32, 384, generator=g), torch.randn(384, 4096, generator=g)
@@ -65,6 +92,9 @@ def test_the_operator_registration_is_sound():
     g = torch.Generator().manual_seed(2)
     torch.library.opcheck(torch.ops.nodraft.mm.default,
                           (torch.randn(5, 160, generator=g), torch.randn(160, 480, generator=g)),
+                          test_utils=("test_schema", "test_faketensor"))
+    packed = gemm.pack(torch.randn(160, 480, generator=g))
+    torch.library.opcheck(torch.ops.nodraft.mm.default, (torch.randn(5, 160, generator=g), packed),
                           test_utils=("test_schema", "test_faketensor"))
 
 
