@@ -154,7 +154,7 @@ def key_parts(config) -> dict:
         "python": sys.version.split()[0],
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": hashlib.sha256(_cpu_flags().encode()).hexdigest()[:16],
-        "product": gemm.choose(config.gemm),
+        "product": gemm.expected(config.gemm),  # never builds: a start must not wait
         "max_running": config.max_running,
         "checkpoints": {p.name: _file_hash(p)[:16]
                         for p in sorted(directory.glob("*.safetensors"))},

@@ -129,13 +129,28 @@ def why() -> str:
     return str(_state.get("why", ""))
 
 
-def choose(gemm: str | None = None) -> str:
-    """'nodraft' or 'torch': the product the compiled passes will use. ``gemm`` (default:
-    ``NODRAFT_GEMM``, else 'auto'): 'auto' takes nodraft's kernel where it loads."""
+def expected(gemm: str | None = None) -> str:
+    """What ``choose`` will pick on this CPU, without building anything: 'nodraft' where
+    ``gemm`` (as in ``choose``) is 'auto' and the CPU has a vector unit the kernel is
+    written for, else 'torch'. (A build that then fails still falls back to torch.mm.)
+    The compiled passes' cache key uses this, so that reading the key never waits on a
+    compiler (a first start would otherwise build the kernel before it serves)."""
+    gemm = _parse(gemm)
+    return "nodraft" if gemm == "auto" and torch.backends.cpu.get_cpu_capability() in BUILDS \
+        else "torch"
+
+
+def _parse(gemm: str | None) -> str:
     gemm = (gemm or os.environ.get("NODRAFT_GEMM") or "auto").strip().lower()
     if gemm not in CHOICES:
         raise ValueError(f"gemm must be one of {', '.join(CHOICES)}, not {gemm!r}")
-    return "nodraft" if gemm == "auto" and load() else "torch"
+    return gemm
+
+
+def choose(gemm: str | None = None) -> str:
+    """'nodraft' or 'torch': the product the compiled passes will use. ``gemm`` (default:
+    ``NODRAFT_GEMM``, else 'auto'): 'auto' takes nodraft's kernel where it loads."""
+    return "nodraft" if _parse(gemm) == "auto" and load() else "torch"
 
 
 def matmul(kind: str):

@@ -35,15 +35,8 @@ class CompiledDraft:
     ``Eagle.warm_up`` (the server's warm-up) and runs eager until then."""
 
     def __init__(self, loaded: "LoadedHead", compiled):
-        from nodraft.micro import gemm
-
         self.loaded, self.compiled = loaded, compiled  # compiled: the target's CompiledPasses
-        kind = gemm.choose(compiled.gemm)
-        self.mm = gemm.matmul(kind)
-        lay_out = gemm.pack if kind == "nodraft" else (lambda w: w)  # as the product reads them
-        with torch.no_grad():
-            self.wt = {name: lay_out(p.t().contiguous())
-                       for name, p in loaded.head.layer.named_parameters() if p.dim() == 2}
+        self._product: tuple | None = None  # (mm, weights), at the first graph (``product``)
         self._fns: dict[tuple, object] = {}
         self._ready: set[tuple] = set()
         self._inv_t: dict[tuple, Tensor] = {}  # 1 / temperature as a graph input, by value
@@ -70,10 +63,27 @@ class CompiledDraft:
                                                      lambda f: self._core(*f[:3]),
                                                      self.compiled.between_loads))
 
+    def product(self) -> tuple:
+        """(the product, the layer's (in, out) weights laid out for it), resolved when a
+        graph is first built or loaded -- not before: resolving it may build
+        ``nodraft::mm`` (seconds), and a request that meets a head before the compiled
+        passes are ready must not wait for that."""
+        if self._product is None:
+            from nodraft.micro import gemm
+
+            kind = self.compiled.gemm_kind or gemm.choose(self.compiled.gemm)
+            lay_out = gemm.pack if kind == "nodraft" else (lambda w: w)
+            with torch.no_grad():
+                wt = {name: lay_out(p.t().contiguous())
+                      for name, p in self.loaded.head.layer.named_parameters() if p.dim() == 2}
+            self._product = (gemm.matmul(kind), wt)
+        return self._product
+
     def _core(self, depth: int, top_k: int, keep: int):
         from nodraft.micro.compiled import named_code
 
-        return named_code(_make_draft_core(self.loaded, self.wt, self.mm, depth, top_k, keep),
+        mm, wt = self.product()
+        return named_code(_make_draft_core(self.loaded, wt, mm, depth, top_k, keep),
                           f"eagle_draft_{depth}_{top_k}_{keep}")
 
     def _fn(self, depth: int, top_k: int, keep: int):

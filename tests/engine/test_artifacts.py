@@ -129,6 +129,22 @@ def test_the_key_changes_with_what_invalidates_the_graphs(tmp_path):
                             "checkpoints", "code"}
 
 
+def test_reading_the_key_never_builds_the_product(tmp_path, monkeypatch):
+    """A first start reads the key before it serves: it must not wait on a compiler (the
+    kernel is built by the artifact build, in a process of its own)."""
+    from nodraft.micro import gemm
+
+    def no_build():
+        raise AssertionError("the key built nodraft::mm")
+
+    monkeypatch.setattr(gemm, "load", no_build)
+    for asked in ("auto", "torch"):
+        parts = artifacts.key_parts(EngineConfig(str(tmp_path), max_running=4, gemm=asked))
+        unit = torch.backends.cpu.get_cpu_capability()
+        assert parts["product"] == ("nodraft" if asked == "auto" and unit in gemm.BUILDS
+                                    else "torch")
+
+
 def test_a_stale_partial_build_is_removed_under_the_lock(tmp_path, caplog, monkeypatch):
     (tmp_path / "micro.safetensors").write_bytes(b"weights")
     store = artifacts.Store(EngineConfig(str(tmp_path), gemm="torch"), tmp_path / "cache")
