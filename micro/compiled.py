@@ -140,8 +140,9 @@ class CompiledPasses:
         return self._wt_mm
 
     def _core(self, lo: int, hi: int, head: bool, rows: bool = True):
-        if not rows and gemm.unit() == "AVX2":  # one row: MKL's matrix-vector product,
-            return _make_core(self.model, lo, hi, head, self._weights(), torch.mm)
+        wt = self._weights()  # resolves the product first: what follows depends on it
+        if not rows and self.gemm_kind == "nodraft" and gemm.unit() == "AVX2":
+            return _make_core(self.model, lo, hi, head, wt, torch.mm)  # MKL's matrix-vector
         return _make_core(self.model, lo, hi, head, self._product_weights(),
                           gemm.matmul(self.gemm_kind))
 

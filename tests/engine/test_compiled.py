@@ -196,3 +196,33 @@ def test_after_the_warm_up_no_pass_compiles(checkpoint_dir):
     thread.join()
     assert counters["stats"]["unique_graphs"] == graphs
     assert model.compiled._ready == ready  # the warmed families, and they ran
+
+
+def test_a_family_picks_its_product_the_same_whether_first_or_not():
+    """In a fresh process the product is not resolved until a graph is built or loaded:
+    the first family must still get the weights and product every later one would (a
+    saved one-row graph built first, with the product unresolved, took the packed
+    weights, and its load in the engine refused the unpacked ones)."""
+    import subprocess
+
+    code = (
+        "import torch\n"
+        "from nodraft.micro import gemm\n"
+        "from nodraft.micro.compiled import closure_data\n"
+        "from tests.conftest import tiny_model\n"
+        "m = tiny_model(dtype=torch.float32).compile(lazy=False, gemm='auto')\n"
+        "L = m.config.n_layers\n"
+        "def kinds(fn):\n"
+        "    c = closure_data(fn)\n"
+        "    return (any(v is torch.mm for v in c.values()),\n"
+        "            sorted(v.dim() for v in c.values() if isinstance(v, torch.Tensor)))\n"
+        "first = kinds(m.compiled._core(0, L, True, False))\n"
+        "later = kinds(m.compiled._core(0, L, True, False))\n"
+        "print(first == later, first[0], gemm.unit())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=str(__import__("pathlib").Path(__file__).parents[2]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    same, uses_torch_mm, unit = out.stdout.split()[-3:]
+    assert same == "True"
+    if unit == "AVX2":  # the one-row graphs multiply with torch.mm there
+        assert uses_torch_mm == "True"
