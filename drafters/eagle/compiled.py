@@ -73,7 +73,7 @@ class CompiledDraft:
 
             kind = self.compiled.gemm_kind or gemm.choose(self.compiled.gemm)
             lay_out = gemm.pack if kind == "nodraft" else (lambda w: w)
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # plain tensors, as load_for's
                 wt = {name: lay_out(p.t().contiguous())
                       for name, p in self.loaded.head.layer.named_parameters() if p.dim() == 2}
             self._product = (gemm.matmul(kind), wt)

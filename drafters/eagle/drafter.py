@@ -70,11 +70,20 @@ class LoadedHead:
 
 
 def load_for(env: DrafterEnv) -> LoadedHead:
-    """The head for env's model, loaded once and kept in ``env.shared``."""
+    """The head for env's model, loaded once and kept in ``env.shared``. Its tensors are
+    plain ones (not inference tensors) whatever mode the caller is in: the compiled draft
+    step closes over them, and a saved graph's guards compare their dispatch keys, so a
+    head loaded inside inference mode in one process (a request's) and outside it in
+    another (an artifact build's) would refuse the saved graph."""
     path = weights_path(env.checkpoint_dir, env.model_name)
     cached = env.shared.get("eagle_head")
     if cached is not None and cached.model is env.model and cached.path == path:
         return cached
+    with torch.inference_mode(False):
+        return _load(env, path)
+
+
+def _load(env: DrafterEnv, path: Path) -> LoadedHead:
     model = env.model
     config, state = load_head_state(env.checkpoint_dir, env.model_name)
     c = model.config

@@ -220,6 +220,21 @@ def test_the_head_loads_once_per_model(env):
     assert Eagle(Eagle.Params(depth=2), env).loaded is first.loaded
 
 
+def test_the_head_is_made_of_plain_tensors_whatever_the_callers_mode(env):
+    """The compiled draft step closes over the head's tensors, and a saved graph's guards
+    compare their dispatch keys: a head loaded in a request (inference mode) must match
+    one loaded by an artifact build (outside it)."""
+    from nodraft.drafters.eagle import load_for
+
+    for mode in (True, False):
+        fresh = DrafterEnv("tiny", MODEL, {}, checkpoint_dir=env.checkpoint_dir)
+        with torch.inference_mode(mode):
+            loaded = load_for(fresh)
+        tensors = [loaded.tok_proj, loaded.tok_proj_draft, loaded.w_feat_t, loaded.w_draft_t,
+                   *loaded.head.parameters(), *loaded.head.buffers()]
+        assert not any(t.is_inference() for t in tensors)
+
+
 def test_a_one_token_prompt_and_greedy_equivalence(env):
     want, _, _ = generate(MODEL, [5], 12)
     drafter = Eagle(Eagle.Params(), env)
