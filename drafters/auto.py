@@ -18,11 +18,12 @@ own measured time. The candidates, and the signals each is judged on:
   one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft. Asking
-  the candidates is not free (~0.25 ms a step here, request index and proposals), so a
-  *sampled* request where nothing has paid for ``IDLE_BEFORE_PAUSE`` asked steps in a row
-  pauses asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while nothing pays: under
-  sampling drafts rarely pay (at temperature 1.0, asking every step and never drafting
-  measured ~0.91x ``none``). Greedy requests ask every step: a loop can begin at any.
+  the candidates is not free (the request's index, their proposals, scoring the chains
+  not sent), so a *sampled* request where nothing has paid for ``IDLE_BEFORE_PAUSE``
+  asked steps in a row pauses asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while
+  nothing pays: under sampling drafts rarely pay, and asking every step cost more than
+  the drafts gained (docs/LOG.md, 2026-12-02). Greedy requests ask every step: a loop can
+  begin at any.
 
 ``alpha`` is estimated per drafter, *match length* (prompt lookup's n-gram, suffix
 decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together) and
@@ -75,8 +76,7 @@ TRAINED = ("eagle", "medusa")
 MAX_MATCH = 8  # match lengths at or above this share one estimate
 # Sampled requests only: after this many consulted steps in a row where no draft paid, auto
 # stops consulting its candidates for 1, 2, 4 .. MAX_PAUSE steps (doubling while nothing
-# pays). Consulting costs ~0.25 ms a step here, ~9% of a step at temperature 1.0, where
-# a draft rarely pays; greedy requests consult every step (loops begin at any step).
+# pays); greedy requests consult every step (loops begin at any step).
 IDLE_BEFORE_PAUSE = 2
 MAX_PAUSE = 16
 

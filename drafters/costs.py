@@ -115,8 +115,7 @@ def measure(model, cache, slot: int, start: int,
     model's compiled state. Runs of ``RUN`` passes of one size alternate, and each size
     keeps the median of its passes after the first of each run. (Not the fastest: a pass of
     several rows varies more than a one-row pass, and its fastest is far from its typical
-    cost in a decode loop; priced by their fastest, 3 rows cost 1.2 one-row passes here,
-    by their median 1.8.)
+    cost in a decode loop: docs/LOG.md, 2026-12-02.)
     Needs ``start + ROWS[-1] <= cache.max_len``. ``stop()``, asked between rounds: give up
     (None, nothing kept), a request has come."""
     times: dict[int, list[float]] = {rows: [] for rows in ROWS}

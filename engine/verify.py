@@ -62,9 +62,9 @@ def target_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
 
     Top-p keeps the smallest prefix of the tokens, most likely first, whose probabilities
     reach ``top_p`` (never less than the most likely token). That prefix is looked for in
-    the ``NUCLEUS_TOPK`` most likely tokens first (``topk``: a tenth of a full sort's time
-    over micro's 4,096): where it ends inside them in every row, the rest of the ranking
-    cannot matter, and the result is the full sort's."""
+    the ``NUCLEUS_TOPK`` most likely tokens first (``topk``, cheaper than ranking the whole
+    vocabulary): where it ends inside them in every row, the rest of the ranking cannot
+    matter, and the result is the full sort's."""
     logits = logits.float() / sp.temperature
     if sp.top_k and sp.top_k < logits.shape[-1]:
         kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]
