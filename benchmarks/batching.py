@@ -1,19 +1,28 @@
 """Continuous batching under load: ``nodraft loadtest`` at several concurrencies, ``none``
-against ``auto``, against one real server started here.
+against ``auto``, greedy and sampled, against real servers started here.
 
     python benchmarks/batching.py [--concurrency 1,8,32] [--methods none,auto]
-                                  [--requests-per-stream 6] [--max-tokens 64]
-                                  [--rounds 3] [--threads 1] [--eager] [--out FILE.json]
+                                  [--sampling 0,0.8] [--requests-per-stream 6]
+                                  [--max-tokens 64] [--rounds 3] [--threads 1] [--eager]
+                                  [--before CHECKOUT] [--out FILE.json]
 
-For each concurrency the methods run in alternation, ``--rounds`` times, and the median
-of each figure is reported (this machine is shared and noisy: only ratios in one run
-carry). Each run sends ``concurrency * requests-per-stream`` streamed requests, every
-request with the loadtest's built-in prompts (fresh and repeating, in turn). Reported per
-(concurrency, method): aggregate generated tokens/s, TTFT and inter-token latency p50/p99,
-errors; and the throughput at each concurrency over the single stream's.
+For each concurrency the runs alternate -- servers, temperatures and methods in turn --
+``--rounds`` times, and the median of each figure is reported (this machine is shared and
+noisy: only ratios in one run carry). Each run sends ``concurrency * requests-per-stream``
+streamed requests, every request with the loadtest's built-in prompts (fresh and
+repeating, in turn); sampled runs (a temperature above 0 in ``--sampling``) are seeded
+(``nodraft loadtest --seed``, the round's seed): every method and server generates the
+same text for a prompt. Reported per (server, temperature, concurrency, method):
+aggregate generated tokens/s, TTFT and inter-token latency p50/p99, errors; the
+throughput at each concurrency over the single stream's, over the first method's, and
+with ``--before``, over the other server's.
 
-The server is ``nodraft serve`` in a subprocess (``--threads`` torch threads, default 1,
-so the load generator has a core of its own on a 2-core machine).
+The servers are ``nodraft serve`` in subprocesses (``--threads`` torch threads, default 1),
+measured once their compiled passes are ready: ``after``, this checkout, and with
+``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``) ``before``, that
+checkout's code (``checkouts.checkout_env``), idle but while measured. The load generator
+runs on the last core, the one each server's API process keeps (the engine process has the
+first): on 2 cores, a client that roamed onto the engine's core measured the contention.
 """
 
 from __future__ import annotations
@@ -28,10 +37,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 
 from nodraft.clients.loadtest import LoadConfig, run_loadtest
+
+try:
+    from checkouts import checkout_env, imported_from  # run as a script
+except ImportError:  # imported as benchmarks.batching
+    from benchmarks.checkouts import checkout_env, imported_from
 
 
 def free_port() -> int:
@@ -40,7 +55,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(threads: int, max_running: int, compile: bool = True
+def start_server(threads: int, max_running: int, compile: bool = True, env: dict | None = None
                  ) -> tuple[subprocess.Popen, str]:
     """The server, once it answers and its compiled passes are ready (their background
     compile would otherwise share the CPU with the first measurements)."""
@@ -50,7 +65,7 @@ def start_server(threads: int, max_running: int, compile: bool = True
            "--compile", "true" if compile else "false"]
     # its log goes to a file: a pipe nobody reads would fill with access lines and block it
     log = tempfile.NamedTemporaryFile("w+", prefix="nodraft-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
     print(f"server log: {log.name}", file=sys.stderr)  # kept: its compile time, its errors
     url = f"http://127.0.0.1:{port}"
     client = httpx.Client()  # one for the polls: a fresh one costs ~60 ms of CPU a call
@@ -68,9 +83,11 @@ def start_server(threads: int, max_running: int, compile: bool = True
     raise RuntimeError("the server did not come up")
 
 
-def one(url: str, concurrency: int, method: str, n: int, max_tokens: int) -> dict:
+def one(url: str, concurrency: int, method: str, n: int, max_tokens: int,
+        temperature: float = 0.0, seed: int | None = None) -> dict:
     cfg = LoadConfig(url=url, concurrency=concurrency, requests=n, methods=[method],
-                     max_tokens=max_tokens, stream=True, timeout=300)
+                     max_tokens=max_tokens, stream=True, timeout=300, temperature=temperature,
+                     seed=seed if temperature > 0 else None)
     r = asyncio.run(run_loadtest(cfg))
     lat = r["latency_s"]
     return {
@@ -86,42 +103,72 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--methods", default="none,auto")
+    p.add_argument("--sampling", default="0,0.8", help="temperatures (0: greedy)")
     p.add_argument("--requests-per-stream", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="serve eager passes (default: compiled)")
+    p.add_argument("--before", help="a checkout of this repository served beside, as 'before'")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     methods = args.methods.split(",")
-    proc, url = start_server(args.threads, max(levels), not args.eager)
+    temps = [float(t) for t in args.sampling.split(",")]
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     results: dict = {"command": "python benchmarks/batching.py " + " ".join(argv or sys.argv[1:]),
                      "cpus": os.cpu_count(), "threads": args.threads, "rows": []}
     try:
-        for m in methods:  # warm up every code path once
-            one(url, 2, m, 2, 8)
+        servers["after"] = start_server(args.threads, max(levels), not args.eager)
+        if args.before:
+            env = checkout_env(args.before)
+            where = imported_from(env)
+            assert where.is_relative_to(Path(args.before).resolve()), where
+            servers["before"] = start_server(args.threads, max(levels), not args.eager, env)
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 2:  # the load generator on the last core, the one the API keeps
+            os.sched_setaffinity(0, cores[-1:])  # (the servers, started, keep their own)
+        for _, url in servers.values():
+            for m in methods:  # warm up every code path once
+                for t in temps:
+                    one(url, 2, m, 2, 8, t, 0)
         for c in levels:
-            runs: dict[str, list[dict]] = {m: [] for m in methods}
-            for _ in range(args.rounds):
-                for m in methods:
-                    runs[m].append(one(url, c, m, c * args.requests_per_stream, args.max_tokens))
-            for m in methods:
-                row = {"concurrency": c, "method": m}
-                for key in runs[m][0]:
-                    vals = [r[key] for r in runs[m] if r[key] is not None]
+            runs: dict[tuple, list[dict]] = {}
+            for r in range(args.rounds):
+                for t in temps:
+                    for name, (_, url) in servers.items():
+                        for m in methods:
+                            runs.setdefault((name, t, m), []).append(
+                                one(url, c, m, c * args.requests_per_stream, args.max_tokens,
+                                    t, 1000 * r))
+            for (name, t, m), got in runs.items():
+                row = {"server": name, "temperature": t, "concurrency": c, "method": m}
+                for key in got[0]:
+                    vals = [x[key] for x in got if x[key] is not None]
                     row[key] = statistics.median(vals) if vals else None
-                row["errors"] = sum(r["errors"] for r in runs[m])
+                row["errors"] = sum(x["errors"] for x in got)
+                row["rounds_tokens_per_s"] = [x["tokens_per_s"] for x in got]
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    single = {r["method"]: r["tokens_per_s"] for r in results["rows"] if r["concurrency"] == levels[0]}
-    for r in results["rows"]:
-        r["x_single_stream"] = r["tokens_per_s"] / single[r["method"]]
-        none = next(x for x in results["rows"] if x["concurrency"] == r["concurrency"] and x["method"] == methods[0])
-        r["x_" + methods[0]] = r["tokens_per_s"] / none["tokens_per_s"]
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    rows = results["rows"]
+
+    def find(**kw) -> dict | None:
+        return next((x for x in rows if all(x[k] == v for k, v in kw.items())), None)
+
+    for r in rows:
+        same = dict(server=r["server"], temperature=r["temperature"])
+        r["x_single_stream"] = r["tokens_per_s"] / find(**same, concurrency=levels[0],
+                                                        method=r["method"])["tokens_per_s"]
+        r["x_" + methods[0]] = r["tokens_per_s"] / find(**same, concurrency=r["concurrency"],
+                                                        method=methods[0])["tokens_per_s"]
+        other = find(server="before", temperature=r["temperature"],
+                     concurrency=r["concurrency"], method=r["method"])
+        if r["server"] == "after" and other:
+            r["x_before"] = r["tokens_per_s"] / other["tokens_per_s"]
     print(render(results))
     if args.out:
         with open(args.out, "w") as f:
@@ -129,11 +176,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def render(results: dict) -> str:
-    lines = ["| streams | method | tokens/s | x one stream | x none | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| server | sampling | streams | method | tokens/s | x one stream | x none | "
+             "x before | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
-        lines.append(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | "
-                     f"{r['x_single_stream']:.2f} | {r.get('x_none', float('nan')):.2f} | "
+        t = "greedy" if r["temperature"] == 0 else f"t={r['temperature']}"
+        before = f"{r['x_before']:.2f}" if "x_before" in r else ""
+        lines.append(f"| {r['server']} | {t} | {r['concurrency']} | {r['method']} | "
+                     f"{r['tokens_per_s']:.0f} | {r['x_single_stream']:.2f} | "
+                     f"{r.get('x_none', float('nan')):.2f} | {before} | "
                      f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
                      f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['errors']} |")
     return "\n".join(lines)

@@ -4,7 +4,7 @@
                      [--methods none,prompt_lookup,early_exit:exit_layer=2]
                      [--prompts FILE.json] [--stream | --no-stream] [--max-tokens 64]
                      [--model micro] [--api-key KEY] [--endpoint completions|chat]
-                     [--temperature 0] [--timeout 120] [--json] [--quiet]
+                     [--temperature 0] [--seed N] [--timeout 120] [--json] [--quiet]
 
 These flags are stable: the compose ``loadgen`` service and the batching work call them.
 
@@ -20,6 +20,10 @@ These flags are stable: the compose ``loadgen`` service and the batching work ca
   with new text) and repeating ones (a passage, then its start again, so the continuation
   copies the context). Request i uses method i mod #methods and prompt (i div #methods)
   mod #prompts: every method meets every prompt.
+- ``--seed N`` (with ``--temperature``): request i is sampled with seed N + (i div
+  #methods), so every method meets each prompt with the same seed -- and, the server's
+  seeded sampling being drafter-invariant, generates the same text for it: the methods are
+  compared on identical work. Without it, requests are sampled unseeded.
 - ``--stream`` (default) measures time to first token and inter-token latency from the
   SSE chunks; ``--no-stream`` sends plain requests (end-to-end latency only).
 
@@ -104,6 +108,7 @@ class LoadConfig:
     api_key: str | None = None
     endpoint: str = "completions"  # or "chat"
     temperature: float = 0.0
+    seed: int | None = None  # request i: seed + i // len(methods); None: unseeded
     timeout: float = 120.0
 
     def __post_init__(self):
@@ -158,10 +163,13 @@ def load_prompts(path: str) -> dict[str, str]:
 
 
 # -- one request ---------------------------------------------------------------------------
-def _body(config: LoadConfig, method: str, prompt: str) -> tuple[str, dict]:
+def _body(config: LoadConfig, method: str, prompt: str, seed: int | None = None
+          ) -> tuple[str, dict]:
     body = {"model": config.model, "max_tokens": config.max_tokens,
             "temperature": config.temperature, "speculation": speculation(method),
             "stream": config.stream}
+    if seed is not None:
+        body["seed"] = seed
     if config.stream:
         body["stream_options"] = {"include_usage": True}
     if config.endpoint == "chat":
@@ -214,8 +222,8 @@ async def _streamed(client: httpx.AsyncClient, path: str, body: dict, out: Outco
 
 
 async def one_request(client: httpx.AsyncClient, config: LoadConfig, method: str,
-                      prompt: str) -> Outcome:
-    path, body = _body(config, method, prompt)
+                      prompt: str, seed: int | None = None) -> Outcome:
+    path, body = _body(config, method, prompt, seed)
     out = Outcome(method, 0, 0.0)
     t0 = time.perf_counter()
     try:
@@ -246,13 +254,14 @@ async def run_loadtest(config: LoadConfig, progress: TextIO | None = None,
     outcomes: list[Outcome] = []
     issued = 0
 
-    def next_request() -> tuple[str, str] | None:
+    def next_request() -> tuple[str, str, int | None] | None:
         nonlocal issued
         if issued >= config.requests or (deadline is not None and time.monotonic() >= deadline):
             return None
         i, issued = issued, issued + 1
         m = len(config.methods)
-        return config.methods[i % m], prompts[(i // m) % len(prompts)]
+        seed = None if config.seed is None else config.seed + i // m
+        return config.methods[i % m], prompts[(i // m) % len(prompts)], seed
 
     async def worker(client: httpx.AsyncClient) -> None:
         while (job := next_request()) is not None:
@@ -418,6 +427,7 @@ def parse_args(argv: list[str] | None) -> tuple[LoadConfig, argparse.Namespace]:
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, help="request i sampled with seed N + i div #methods")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no live progress on stderr")
@@ -428,7 +438,7 @@ def parse_args(argv: list[str] | None) -> tuple[LoadConfig, argparse.Namespace]:
             methods=[m.strip() for m in a.methods.split(",") if m.strip()],
             prompts=load_prompts(a.prompts) if a.prompts else dict(PROMPTS), stream=a.stream,
             max_tokens=a.max_tokens, model=a.model, api_key=a.api_key, endpoint=a.endpoint,
-            temperature=a.temperature, timeout=a.timeout)
+            temperature=a.temperature, seed=a.seed, timeout=a.timeout)
     except (ValueError, OSError) as e:
         p.error(str(e))
     return config, a

@@ -27,7 +27,8 @@ Compiled passes (``Micro.compile``, micro/compiled.py) serve the single-sequence
 ``warm_up`` has compiled them; it runs in a thread of its own on a scratch cache of the
 engine cache's shape, so requests are served eagerly meanwhile and none waits on a
 compiler. Drafters with graphs of their own (EAGLE's draft step) compile theirs next, for
-their default parameters. A draining server compiles nothing more. Packed passes stay eager.
+their default parameters. A draining server compiles nothing more. Packed passes run
+compiled too once their families are (``CompiledPasses.packed``), eager until then.
 """
 
 from __future__ import annotations
@@ -541,13 +542,14 @@ class Engine:
             return
         self.scheduler.timer.observe(sum(len(s) for s in segments), time.perf_counter() - t0)
         self.passes += 1
-        for (h, draft), seg, (logits, hidden) in zip(jobs, segments, outputs):
+        argmax = _greedy_argmax(jobs, outputs)
+        for (h, draft), seg, (logits, hidden), ids in zip(jobs, segments, outputs, argmax):
             seq = h.sequence
             try:
                 if draft is None:
                     seq.prefill_done(seg, hidden)
                     continue
-                result = seq.finish_step(draft, logits, hidden)
+                result = seq.finish_step(draft, logits, hidden, ids)
             except Exception as e:
                 self._fail(h, e)
                 continue
@@ -589,6 +591,23 @@ class Engine:
                             stats=seq.stats if seq else SpecStats(handle.request.method),
                             stats_by_method=seq.stats_by_method if seq else {},
                             error=handle.error if reason == "error" else None))
+
+
+def _greedy_argmax(jobs: list[tuple[Handle, Draft | None]], outputs: list
+                   ) -> list[list[int] | None]:
+    """Per job of a packed pass, its rows' argmaxes if it verifies greedily (None
+    otherwise): taken for all such rows in one call, not one per sequence."""
+    greedy = [j for j, (h, draft) in enumerate(jobs)
+              if draft is not None and h.request.sampling.greedy]
+    out: list[list[int] | None] = [None] * len(jobs)
+    if not greedy:
+        return out
+    ids = torch.cat([outputs[j][0] for j in greedy]).argmax(-1).tolist()
+    o = 0
+    for j in greedy:
+        n = outputs[j][0].shape[0]
+        out[j], o = ids[o:o + n], o + n
+    return out
 
 
 def _depth(result: StepResult) -> int:

@@ -104,8 +104,10 @@ class Sequence:
     def _draw(self, logits: Tensor, pos: int) -> int:
         return self.noise.draw(target_probs(logits, self.sampling), pos)
 
-    def _accept(self, logits: Tensor, draft: Draft) -> tuple[list[int], int]:
-        return accept(logits, draft, self.sampling, self.generator, self.noise, len(self.tokens))
+    def _accept(self, logits: Tensor, draft: Draft, argmax: list[int] | None = None
+                ) -> tuple[list[int], int]:
+        return accept(logits, draft, self.sampling, self.generator, self.noise, len(self.tokens),
+                      argmax)
 
     @property
     def done(self) -> bool:
@@ -130,6 +132,8 @@ class Sequence:
     def budget(self) -> int:
         """Draft tokens this step may carry: leave room for the bonus token, within
         max_tokens and the context."""
+        if self.method == "none":  # plain decoding never drafts: nothing to plan
+            return 0
         room = min(self.max_tokens - self.generated, self.cache.max_len - len(self.tokens))
         return max(0, min(self.max_draft, room - 1))
 
@@ -333,10 +337,12 @@ class Sequence:
         ids, pos, mask = self.block(draft)
         return Segment(self.slot, self.cache.lengths[self.slot], ids, pos, mask)
 
-    def finish_step(self, draft: Draft, logits: Tensor, hidden: Tensor) -> StepResult:
-        """Accept and commit after a packed pass computed the segment's logits."""
+    def finish_step(self, draft: Draft, logits: Tensor, hidden: Tensor,
+                    argmax: list[int] | None = None) -> StepResult:
+        """Accept and commit after a packed pass computed the segment's logits;
+        ``argmax``: its rows' argmaxes, if the pass took them (greedy)."""
         logits, hidden = self.split(logits, hidden, len(draft))
-        path, bonus = self._accept(logits, draft)
+        path, bonus = self._accept(logits, draft, argmax)
         return self.commit(draft, path, bonus, hidden, logits)
 
     def _drafter_error(self, method: str) -> None:

@@ -111,20 +111,22 @@ def _sample(p: Tensor, gen: torch.Generator | None) -> int:
 
 def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
            gen: torch.Generator | None = None, noise: PositionNoise | None = None,
-           pos: int = 0) -> tuple[list[int], int]:
+           pos: int = 0, argmax: list[int] | None = None) -> tuple[list[int], int]:
     """(accepted node indices along the path, bonus token) for one verification block.
 
     ``noise``: seeded sampling's per-position noise; row 0 predicts sequence position
-    ``pos`` and a node at depth d position ``pos + d``."""
+    ``pos`` and a node at depth d position ``pos + d``. ``argmax``: each row's argmax,
+    when the caller has them already (a packed pass takes them for all its rows at once);
+    greedy verification reads only these."""
     if sp.greedy and logits.shape[0] == 1:  # no draft (plain decoding): the argmax
-        return [], int(logits[0].argmax())
+        return [], argmax[0] if argmax is not None else int(logits[0].argmax())
     tokens = draft.tokens.tolist()
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []
     row = 0
     if sp.greedy or noise is not None:  # walk to the child that is the target's own token
         if sp.greedy:
-            target = logits.argmax(-1).tolist().__getitem__
+            target = (argmax if argmax is not None else logits.argmax(-1).tolist()).__getitem__
         else:  # rows are visited one per emitted token: their distributions only
             depth = [0, *draft.depths()] if tokens else [0]
             target = lambda r: noise.draw(target_probs(logits[r], sp), pos + depth[r])  # noqa: E731

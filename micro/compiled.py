@@ -36,6 +36,10 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   (engine/artifacts.py): a process of its own builds every family once per machine, and
   every engine loads them at start.
 
+- **Packed passes.** Several sequences' one-row blocks in one pass (continuous batching)
+  have a family of their own per cache shape (``packed``); every size symbolic, duck
+  sizing off (docs/ARCHITECTURE.md, "Compiled packed passes").
+
 The numbers differ from eager micro in the last bits (fused reductions), as eager
 already differs between a 1-row and a k-row pass. A prompt's first 256 rows are
 prefilled by a graph of their own (``prefill``: no cached prefix, SDPA's causal attention,
@@ -94,6 +98,7 @@ log = logging.getLogger("nodraft.compiled")
 
 MIN_CONTEXT = 2  # shorter cached prefixes (sizes 0 and 1 are specialised): eager
 PREFILL = "prefill"  # the first element of the prefill graph's family
+PACKED = "packed"  # the first element of the packed passes' families
 
 
 class CompiledPasses:
@@ -151,10 +156,17 @@ class CompiledPasses:
         # (nodraft::mm's tiles are for the few rows of a decode step)
         return _make_prefill_core(self.model, self._weights(), torch.mm)
 
+    def _packed_core(self):
+        # torch.mm whatever the product: a batch's rows are many, and on hot weights MKL
+        # multiplied 8 rows and more faster than nodraft::mm (docs/ARCHITECTURE.md)
+        return _make_packed_core(self.model, self._weights(), torch.mm)
+
     def _family_fn(self, family: tuple):
         """A saved family's function, rebuilt for this model (``load``)."""
         if family[0] == PREFILL:
             return self._prefill_core()
+        if family[0] == PACKED:
+            return self._packed_core()
         return self._core(family[0], family[1], family[2], family[3])
 
     def load(self, folder: Path) -> int:
@@ -289,6 +301,53 @@ class CompiledPasses:
         return got
 
     @torch.inference_mode()
+    def packed(self, segments: list, cache, compile: bool | None = None
+               ) -> list[tuple[Tensor, Tensor]] | None:
+        """ONE pass over several sequences' one-row blocks (``micro.packed.Segment``s: each
+        of its own slot, each with logits): per segment, (logits (1, V), final hidden
+        (1, dim)), with every row's key and value written to its slot. None when the family
+        is not compiled or a block has several rows (the caller runs eager).
+
+        The rows go through the products packed; attention takes the batch as the slot
+        range [lo, hi) of the cache, read in place up to the longest committed length (a
+        view, no copy), each slot's own committed length masking the rest; slots of the
+        range without a segment attend to nothing but a zero row, discarded. Every size
+        (rows, slots, context length) is symbolic: one graph serves every batch, compiled
+        once with duck sizing off, so that no size is assumed equal to another."""
+        if len(segments) < 2 or any(len(s) != 1 for s in segments):
+            return None
+        dtype = self.model.tok_embeddings.weight.dtype
+        family = (PACKED, tuple(cache.k.shape), dtype)
+        if family not in self._ready and not (self.lazy if compile is None else compile):
+            return None
+        lo = min(s.slot for s in segments)
+        B = max(s.slot for s in segments) + 1 - lo
+        N = len(segments)
+        src, starts = [N] * B, [0] * B  # N: the zero row after the packed rows
+        for i, s in enumerate(segments):
+            src[s.slot - lo], starts[s.slot - lo] = i, s.start
+        ids = torch.cat([s.ids for s in segments])
+        pos = torch.cat([s.pos for s in segments])
+        dest = torch.tensor([s.slot - lo for s in segments])
+        ctx = max(max(starts), MIN_CONTEXT)
+        k_past, v_past = cache.k[:, lo:lo + B, :, :ctx], cache.v[:, lo:lo + B, :, :ctx]
+        src_t, starts_t = torch.tensor(src), torch.tensor(starts)
+        dynamic = [(ids, 0), (pos, 0), (src_t, 0), (dest, 0), (starts_t, 0),
+                   (k_past, 1), (k_past, 3), (v_past, 1), (v_past, 3)]
+        import torch.fx.experimental._config as shapes
+
+        with shapes.patch(use_duck_shape=False):
+            got = self._call(family, "packed_row", self._packed_core,
+                             (ids, pos, src_t, dest, starts_t, k_past, v_past), dynamic, compile)
+        if got is None:
+            return None
+        h, logits, k_new, v_new = got
+        slot_t, row_t = torch.tensor([s.slot for s in segments]), starts_t[dest]
+        cache.k[:, slot_t, :, row_t] = k_new.transpose(0, 1)
+        cache.v[:, slot_t, :, row_t] = v_new.transpose(0, 1)
+        return [(logits[i:i + 1], h[i:i + 1]) for i in range(N)]
+
+    @torch.inference_mode()
     def warm_up(self, cache, slot: int, early_exit: bool = True, compile: bool = True) -> float:
         """Compile every family a request can reach on ``cache`` (whose ``slot`` must be
         free: its rows past the committed length are written): full passes of one row and
@@ -311,7 +370,28 @@ class CompiledPasses:
             self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
                      lo, hi, cache, slot, start, None, head, compile=compile)
         self.prefill(torch.zeros(5, dim, dtype=dtype), cache, slot, compile=compile)
+        for batch in _warm_up_batches(cache):
+            self.packed(batch, cache, compile=compile)
         return time.perf_counter() - t0
+
+
+def _warm_up_batches(cache) -> list[list]:
+    """A batch for ``packed``'s family in the free slots of ``cache`` (none if fewer than two
+    are free), its sizes apart where the cache allows (rows, slots, context length)."""
+    from nodraft.micro.packed import Segment  # packed imports this module's users
+
+    free = [s for s, n in enumerate(cache.lengths) if n == 0]
+    if len(free) < 2:
+        return []
+    # a slot range short of the whole cache: one as long as the cache would be contiguous
+    # across slots and layers, and the graph would take the layers' stride as a product of
+    # the slot count -- true at that count only
+    S = cache.n_slots
+    slots = (free[:1] + free[2:3] if len(free) >= 3 and free[2] - free[0] + 1 < S
+             else free[:2])
+    start = MIN_CONTEXT + 7
+    return [[Segment(s, start - i, torch.zeros(1, dtype=torch.long), torch.tensor([start - i]))
+             for i, s in enumerate(slots)]]
 
 
 class Precompiled:
@@ -597,3 +677,51 @@ def _make_prefill_core(model, wt: dict[str, Tensor], mm):
 
     return named_code(prefill, "micro_prefill")
 
+
+
+def _make_packed_core(model, wt: dict[str, Tensor], mm):
+    """A packed pass's function (``CompiledPasses.packed``): ids, pos (N,) of the batch's
+    one-row blocks; ``src`` (B,) the row of each slot of the range (N: the zero row),
+    ``dest`` (N,) each row's slot in the range; ``starts`` (B,) each slot's committed
+    length; k_past, v_past (layers, B, H, ctx, D) the slot range's cache rows. Returns the
+    final residual stream (N, dim), logits (N, V), and the rows' keys and values
+    (layers, N, H, D)."""
+    cos_t, sin_t = model.rope_cos, model.rope_sin
+    c = model.config
+    H, D = c.n_heads, c.head_dim
+    scale = 1.0 / math.sqrt(D)
+    weights = [layer_weights(model.layers[i], wt, f"{i}.") for i in range(c.n_layers)]
+    emb, head_wt, norm = model.tok_embeddings.weight, wt["head"], model.norm
+
+    def packed(ids: Tensor, pos: Tensor, src: Tensor, dest: Tensor, starts: Tensor,
+               k_past: Tensor, v_past: Tensor):
+        N, B, ctx = ids.shape[0], starts.shape[0], k_past.shape[3]
+        h = emb[ids]
+        cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]  # (N, 1, 1, D)
+        past = torch.zeros(B, ctx, dtype=h.dtype).masked_fill(
+            torch.arange(ctx)[None, :] >= starts[:, None], float("-inf"))[:, None, None, :]
+        zero = h.new_zeros(1, H, D)
+        ks, vs = [], []
+        for j, w in enumerate(weights):
+            an, wqkv = w[0], w[2]
+            x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
+            qkv = mm(x, wqkv).view(N, 3, H, D)
+            qk = apply_rope(qkv[:, :2], cos, sin)
+            q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (N, H, D)
+            # each slot's row, (B, H, 1, D) (no comprehension: a saved graph's code must
+            # not hold a nested function, whose globals a load does not supply)
+            qp = torch.cat([q, zero])[src][:, :, None]
+            kb = torch.cat([k, zero])[src][:, :, None]
+            vb = torch.cat([v, zero])[src][:, :, None]
+            s_past = torch.matmul(qp, k_past[j].transpose(-1, -2)) * scale + past
+            s_self = (qp * kb).sum(-1, keepdim=True) * scale
+            p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
+            y = torch.matmul(p[..., :ctx], v_past[j]) + p[..., ctx:] * vb  # (B, H, 1, D)
+            y = y[:, :, 0][dest]  # (N, H, D)
+            h = _mix(h, y.transpose(0, 1), w, mm)
+            ks.append(k)
+            vs.append(v)
+        logits = mm(F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps), head_wt)
+        return h, logits, torch.stack(ks), torch.stack(vs)
+
+    return named_code(packed, "micro_packed_row")

@@ -108,7 +108,37 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
     hidden (T, dim)). The linear layers see all rows packed together (one matmul per
     weight for the whole batch); attention keeps each sequence to its own slot. Keys and
     values are written to each segment's rows; committed lengths do not change.
+
+    With compiled passes (``Micro.compile``), when every block that wants logits is one
+    row (no sequence drafts this pass) they run as one compiled packed pass
+    (``CompiledPasses.packed``), each prompt's first chunk through the compiled prefill,
+    and only what neither takes (drafted blocks, a later chunk of a long prompt, a family
+    not compiled yet) eagerly, in a packed pass of its own.
     """
+    compiled = model.compiled
+    if compiled is None:
+        return _eager(model, segments, cache)
+    out: list = [None] * len(segments)
+    narrow = [i for i, s in enumerate(segments) if s.logits and len(s) <= NARROW]
+    if len(narrow) >= 2:
+        got = compiled.packed([segments[i] for i in narrow], cache)
+        if got is not None:
+            for i, o in zip(narrow, got):
+                out[i] = o
+    for i, s in enumerate(segments):
+        if out[i] is None and not s.logits and s.start == 0:
+            hidden = compiled.prefill(model.embed(s.ids), cache, s.slot)
+            if hidden is not None:
+                out[i] = (None, hidden)
+    rest = [i for i in range(len(segments)) if out[i] is None]
+    if rest:
+        for i, o in zip(rest, _eager(model, [segments[i] for i in rest], cache)):
+            out[i] = o
+    return out
+
+
+def _eager(model: Micro, segments: list[Segment], cache: KVCache
+           ) -> list[tuple[Tensor | None, Tensor]]:
     c = model.config
     H, D = c.n_heads, c.head_dim
     ids = torch.cat([s.ids for s in segments])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 
@@ -51,6 +52,31 @@ def test_cli_not_streaming_json(live, capsys):
     assert r["latency_s"]["ttft"] is None and r["latency_s"]["inter_token"] is None
     ordered(r["latency_s"]["e2e"])
     assert r["methods"]["early_exit:exit_layer=1"]["target_passes"] > 0
+
+
+def test_a_seeded_load_gives_every_method_the_same_seeds(live, monkeypatch):
+    """--seed: request i carries seed + i div #methods, so each prompt meets every method
+    with one seed (seeded sampling being drafter-invariant: the same text for each), and
+    the server takes the seeded requests."""
+    assert loadtest._body(LoadConfig(url="x", stream=False), "none", "p", 5)[1]["seed"] == 5
+    assert "seed" not in loadtest._body(LoadConfig(url="x", stream=False), "none", "p")[1]
+    config = LoadConfig(url=live.url, concurrency=3, requests=12, max_tokens=24,
+                        methods=["none", "prompt_lookup"], temperature=0.9, seed=11)
+    assert asyncio.run(run_loadtest(config))["errors"] == {}
+    sent = []
+    real = loadtest.one_request
+
+    async def recording(client, config, method, prompt, seed=None):
+        sent.append((method, prompt, seed))
+        return await real(client, config, method, prompt, seed)
+
+    monkeypatch.setattr(loadtest, "one_request", recording)
+    asyncio.run(run_loadtest(dataclasses.replace(config, concurrency=1)))
+    assert [s for _, _, s in sent] == [11 + i // 2 for i in range(12)]
+    by_prompt = {}
+    for method, prompt, seed in sent:
+        by_prompt.setdefault((prompt, seed), set()).add(method)
+    assert all(ms == {"none", "prompt_lookup"} for ms in by_prompt.values())
 
 
 def test_errors_by_status_and_the_duration_bound(live):

@@ -33,7 +33,7 @@ LOAD = textwrap.dedent("""
     from torch._dynamo.utils import counters
     from nodraft.micro.model import KVCache
     from tests.conftest import tiny_model
-    from tests.engine.test_artifacts import SMALL, passes
+    from tests.engine.test_artifacts import SLOTS, SMALL, passes
     torch.set_num_threads(1)
     model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
     n = model.compiled.load(sys.argv[1])
@@ -43,22 +43,31 @@ LOAD = textwrap.dedent("""
     other = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
     other.compiled.load(sys.argv[1])
     pre = other.compiled.precompiled
-    row = next(f for f in pre.fns if f[0] != "prefill" and not f[3])
-    cache = KVCache(SMALL, 2)
+    row = next(f for f in pre.fns if f[0] not in ("prefill", "packed") and not f[3])
+    cache = KVCache(SMALL, SLOTS)
     k, v = cache.k[0:2, 0][:, :, :9], cache.v[0:2, 0][:, :, :9]
     with torch.inference_mode():
         refused = pre(row, (torch.zeros(1, SMALL.dim, dtype=torch.float64), torch.tensor([9]),
                             k, v, None)) is None
     print(json.dumps({"loaded": n, "frames": sum(counters["frames"].values()),
                       "running": len(model.compiled.precompiled.fns), "out": out,
+                      "ran": len(model.compiled.precompiled._trusted),
                       "refused": refused and row not in pre.fns}))
 """)
 
 
+SLOTS = 5  # the engine cache's slots: graphs are built per cache shape
+
+
 def passes(model) -> list[list[float]]:
     """Logits of a 1-row and a 5-row pass after 9 cached rows (and a 3-row one after 20),
-    after a 20-row prefill."""
-    cache = KVCache(model.config, 2)
+    after a 20-row prefill; then packed passes (``forward_packed``): one row in every slot
+    (the whole cache, where the warm-up's batch spanned less of it), one row in a sparse
+    range of slots, then chains and a tree."""
+    from nodraft.engine.sequence import tree_attention_mask
+    from nodraft.micro.packed import Segment, forward_packed
+
+    cache = KVCache(model.config, SLOTS)
     out = []
     with torch.inference_mode():
         ids = torch.arange(30) % model.config.vocab_size
@@ -66,6 +75,17 @@ def passes(model) -> list[list[float]]:
         for T, start in ((1, 9), (5, 9), (3, 20)):
             logits, _ = model.verify_pass(ids[start:start + T], cache, 1, start)
             out.append(logits[-1, :8].tolist())
+        starts = [11, 20, 7, 15, 3]
+        for s, n in enumerate(starts):  # each slot a prefix of its own
+            model.prefill_pass((ids[:n] + 3 * s) % model.config.vocab_size, cache, s, 0)
+        one = [Segment(s, n, ids[n:n + 1], torch.tensor([n])) for s, n in enumerate(starts)]
+        tree = tree_attention_mask(torch.tensor([-1, -1, 0]))  # two branches, one deeper
+        rows = [Segment(0, 11, ids[:3], torch.arange(11, 14)),
+                Segment(3, 15, ids[4:8], torch.tensor([15, 16, 16, 17]), tree),
+                Segment(4, 3, ids[9:10], torch.tensor([3]))]
+        sparse = [one[1], one[4]]
+        for batch in (one, sparse, rows):
+            out.extend(lg[-1, :8].tolist() for lg, _ in forward_packed(model, batch, cache))
     return out
 
 
@@ -73,9 +93,9 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     torch.set_num_threads(1)
     model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
     model.compiled.export_to = tmp_path / "tiny"
-    model.compiled.warm_up(KVCache(SMALL, 2), 0, early_exit=False)
+    model.compiled.warm_up(KVCache(SMALL, SLOTS), 0, early_exit=False)
     saved = sorted(p.name.split("-")[0] + p.suffix for p in (tmp_path / "tiny").iterdir())
-    assert saved == ["passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
+    assert saved == ["packed_row.json", "packed_row.pt2", "passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
                      "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2",
                      "prefill.json", "prefill.pt2"]
     want = passes(model)  # the saved graphs, run in this process
@@ -86,7 +106,7 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # loaded, run (none refused by its guards: it would have run eager) and nothing traced
-    assert got["loaded"] == 3 and got["running"] == 3 and got["frames"] == 0
+    assert got["loaded"] == got["running"] == got["ran"] == 4 and got["frames"] == 0
     assert got["refused"]
     torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(want), rtol=1e-5,
                                atol=1e-5)

@@ -226,3 +226,53 @@ def test_a_family_picks_its_product_the_same_whether_first_or_not():
     assert same == "True"
     if unit == "AVX2":  # the one-row graphs multiply with torch.mm there
         assert uses_torch_mm == "True"
+
+
+def _packed_batches(model, cache):
+    """Batches over ``cache`` (5 slots, each with a prefix of its own): one row per slot
+    of the whole cache; one row in a sparse range with a slot whose prefix is empty (a
+    one-token prompt); chains and a tree; and prompt chunks beside steps -- a first chunk
+    (compiled prefill) and a later one (eager)."""
+    from nodraft.micro.packed import Segment
+
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(0, V, (n,), generator=g)  # noqa: E731
+    lens = [30, 12, 0, 45, 21]
+    with torch.inference_mode():
+        for s, n in enumerate(lens):
+            if n:
+                model.prefill_pass(ids(n), cache, s, 0)
+    tree = tree_attention_mask(torch.tensor([-1, -1, 0, 2]))
+    seg = lambda s, T, pos=None, mask=None: Segment(  # noqa: E731
+        s, lens[s], ids(T), torch.arange(lens[s], lens[s] + T) if pos is None else lens[s] + pos,
+        mask)
+    return [
+        [seg(s, 1) for s in range(5)],
+        [seg(0, 1), seg(2, 1), seg(4, 1)],
+        [seg(0, 4), seg(1, 1), seg(3, 5, torch.tensor([0, 1, 1, 2, 3]), tree), seg(4, 2)],
+        [seg(0, 3), Segment(2, 0, ids(9), torch.arange(9), logits=False),
+         Segment(1, 12, ids(6), torch.arange(12, 18), logits=False), seg(4, 1)],
+    ]
+
+
+def test_packed_passes_match_eager(checkpoint_dir):
+    """The compiled packed pass (micro/compiled.py ``packed``, through ``forward_packed``)
+    gives eager's logits, hidden states and cache rows, for every kind of batch (drafted
+    blocks and later prompt chunks eager beside it)."""
+    from nodraft.micro.packed import forward_packed
+
+    eager = load_model("micro", checkpoint_dir)
+    compiled = load_model("micro", checkpoint_dir).compile()  # lazy: compiles as it goes
+    ce, cc = KVCache(eager.config, 5, 64), KVCache(eager.config, 5, 64)
+    for want_batch, got_batch in zip(_packed_batches(eager, ce), _packed_batches(eager, cc)):
+        want = forward_packed(eager, want_batch, ce)
+        got = forward_packed(compiled, got_batch, cc)
+        for (lw, hw), (lg, hg) in zip(want, got):
+            assert (lw is None) == (lg is None)
+            if lw is not None:
+                torch.testing.assert_close(lg, lw, rtol=1e-4, atol=2e-4)
+            torch.testing.assert_close(hg, hw, rtol=1e-4, atol=2e-4)
+        torch.testing.assert_close(cc.k, ce.k, rtol=1e-4, atol=2e-4)
+        torch.testing.assert_close(cc.v, ce.v, rtol=1e-4, atol=2e-4)
+    assert any(f[0] == "packed" for f in compiled.compiled._ready)  # it ran compiled

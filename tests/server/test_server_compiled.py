@@ -75,10 +75,28 @@ EVERY_DRAFTER = textwrap.dedent(r"""
                     errors = events[-1].stats.drafter_errors if events[-1].stats else -1
                     if got != want or errors:
                         wrong.append([text, max_tokens, method, params, errors])
+        # all at once: packed passes of chains, trees and plain rows (the compiled packed
+        # graphs), prompts prefilled in chunks of 8 rows beside the others' steps
+        engine.prefill_tokens = 8
+        batch, wants = [], []
+        for text in texts:
+            prompt = tok.encode(text)
+            want = generate(eager, prompt, 24)[0]
+            for method, params in configs:
+                _, parsed = engine.registry.parse({"method": method, **params})
+                batch.append(GenerationRequest("micro-layerskip", prompt, 24, method=method,
+                                               params=parsed))
+                wants.append((want, text, method, params))
+        for (want, text, method, params), events in zip(wants, run_all(engine, batch)):
+            got = [t for e in events if e.kind == "step" for t in e.step.tokens]
+            if got != want:
+                wrong.append([text, "batched", method, params])
+        packed = engine.passes
     finally:
         engine.stop()
     model = engine.models["micro-layerskip"]
     print(json.dumps({"wrong": wrong, "frames": sum(counters["frames"].values()),
+                      "packed": packed,
                       "graphs": len(model.compiled.precompiled.fns),
                       "ran": len(trusted)}))
 """)
@@ -92,9 +110,11 @@ def every_drafter_matches_eager(checkpoints: Path, cache: Path) -> None:
              "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    # all of them right, on loaded graphs (the build's 12 target graphs for the model: 11
-    # passes and the prefill, each run by some request), nothing traced
-    assert got["wrong"] == [] and got["frames"] == 0 and got["graphs"] == got["ran"] == 12, got
+    # all of them right, alone and batched, on loaded graphs (the build's 13 target graphs
+    # for the model: 11 single-sequence passes, the prefill and the packed pass, each run
+    # by some request), nothing traced
+    assert got["wrong"] == [] and got["frames"] == 0 and got["graphs"] == got["ran"] == 13, got
+    assert got["packed"] > 0
 
 
 def _complete(url: str, speculation) -> dict:
