@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter, hook
+from nodraft.drafters.none import NoDraft
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.packed import Segment
 from nodraft.engine.stats import SpecStats
@@ -98,6 +99,7 @@ class Sequence:
         self._states: list[Tensor] = []  # prefill chunks' hidden states (packed prefill)
         self._prefill_begun = False
         self._timed = self.method != "none"  # plain decoding's drafter costs nothing
+        self._never_drafts = isinstance(self.drafter, NoDraft)
         self._draft_s = 0.0  # the drafter's wall time since the last pass
         self._reused = 0.0  # early exit's last pass: the share of layers it reused
 
@@ -132,7 +134,7 @@ class Sequence:
     def budget(self) -> int:
         """Draft tokens this step may carry: leave room for the bonus token, within
         max_tokens and the context."""
-        if self.method == "none":  # plain decoding never drafts: nothing to plan
+        if self._never_drafts:  # plain decoding: nothing to plan
             return 0
         room = min(self.max_tokens - self.generated, self.cache.max_len - len(self.tokens))
         return max(0, min(self.max_draft, room - 1))

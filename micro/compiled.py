@@ -99,6 +99,10 @@ log = logging.getLogger("nodraft.compiled")
 MIN_CONTEXT = 2  # shorter cached prefixes (sizes 0 and 1 are specialised): eager
 PREFILL = "prefill"  # the first element of the prefill graph's family
 PACKED = "packed"  # the first element of the packed passes' families
+# a packed pass whose drafted blocks, padded, exceed this many rows runs eager: the padded
+# attention over their slots grows past the eager pass's, which groups blocks by width
+# (docs/ARCHITECTURE.md, "Compiled packed passes")
+PACKED_DRAFTED_ROWS = 64
 
 
 class CompiledPasses:
@@ -156,17 +160,17 @@ class CompiledPasses:
         # (nodraft::mm's tiles are for the few rows of a decode step)
         return _make_prefill_core(self.model, self._weights(), torch.mm)
 
-    def _packed_core(self):
+    def _packed_core(self, mixed: bool):
         # torch.mm whatever the product: a batch's rows are many, and on hot weights MKL
         # multiplied 8 rows and more faster than nodraft::mm (docs/ARCHITECTURE.md)
-        return _make_packed_core(self.model, self._weights(), torch.mm)
+        return _make_packed_core(self.model, self._weights(), torch.mm, mixed)
 
     def _family_fn(self, family: tuple):
         """A saved family's function, rebuilt for this model (``load``)."""
         if family[0] == PREFILL:
             return self._prefill_core()
         if family[0] == PACKED:
-            return self._packed_core()
+            return self._packed_core(family[1])
         return self._core(family[0], family[1], family[2], family[3])
 
     def load(self, folder: Path) -> int:
@@ -303,49 +307,97 @@ class CompiledPasses:
     @torch.inference_mode()
     def packed(self, segments: list, cache, compile: bool | None = None
                ) -> list[tuple[Tensor, Tensor]] | None:
-        """ONE pass over several sequences' one-row blocks (``micro.packed.Segment``s: each
-        of its own slot, each with logits): per segment, (logits (1, V), final hidden
-        (1, dim)), with every row's key and value written to its slot. None when the family
-        is not compiled or a block has several rows (the caller runs eager).
+        """ONE pass over several sequences' blocks (``micro.packed.Segment``s, each of its
+        own slot, each with logits, at most ``NARROW`` rows): per segment, (logits (T, V),
+        final hidden (T, dim)), with every block's keys and values written to its rows.
+        None when the family is not compiled, or the drafted blocks padded to the longest
+        exceed ``PACKED_DRAFTED_ROWS`` rows (the caller runs eager).
 
-        The rows go through the products packed; attention takes the batch as the slot
-        range [lo, hi) of the cache, read in place up to the longest committed length (a
-        view, no copy), each slot's own committed length masking the rest; slots of the
-        range without a segment attend to nothing but a zero row, discarded. Every size
-        (rows, slots, context length) is symbolic: one graph serves every batch, compiled
-        once with duck sizing off, so that no size is assumed equal to another."""
-        if len(segments) < 2 or any(len(s) != 1 for s in segments):
+        Two families per cache shape: every block one row (no sequence drafts), or some
+        drafted (``mixed``). The rows go through the products packed. Attention takes the
+        one-row blocks as the slot range [lo, hi) of the cache, read in place up to the
+        longest committed length (a view, no copy), each slot's own length masking the
+        rest (slots of the range without a block attend to a zero row, discarded); the
+        drafted blocks, apart, padded to the longest, over their slots' rows gathered --
+        so a few drafting sequences never pad the others to their length. Every size is
+        symbolic (rows, slots, block and context lengths), no group smaller than two (a
+        size of one would be specialised): one graph serves every batch of its kind,
+        compiled once with duck sizing off, so that no size is assumed equal to another."""
+        if len(segments) < 2:
+            return None
+        drafted = [i for i, s in enumerate(segments) if len(s) > 1]
+        if drafted and (max(2, len(drafted)) * max(len(segments[i]) for i in drafted)
+                        > PACKED_DRAFTED_ROWS):
             return None
         dtype = self.model.tok_embeddings.weight.dtype
-        family = (PACKED, tuple(cache.k.shape), dtype)
+        family = (PACKED, bool(drafted), tuple(cache.k.shape), dtype)
         if family not in self._ready and not (self.lazy if compile is None else compile):
             return None
-        lo = min(s.slot for s in segments)
-        B = max(s.slot for s in segments) + 1 - lo
-        N = len(segments)
-        src, starts = [N] * B, [0] * B  # N: the zero row after the packed rows
-        for i, s in enumerate(segments):
-            src[s.slot - lo], starts[s.slot - lo] = i, s.start
+        offsets, N = [], 0
+        for s in segments:
+            offsets.append(N)
+            N += len(s)
+        ones = [i for i, s in enumerate(segments) if len(s) == 1]
+        S = cache.n_slots
+        lo = min((segments[i].slot for i in ones), default=0)
+        hi = max((segments[i].slot + 1 for i in ones), default=0)
+        if hi - lo < 2:  # (one block or none: a padded range of two)
+            lo, hi = (lo, lo + 2) if lo + 2 <= S else (S - 2, S)
+        B1 = hi - lo
+        src1, starts1, dest = [N] * B1, [0] * B1, [0] * N  # N: the zero row after the rows
+        for i in ones:
+            s = segments[i]
+            src1[s.slot - lo], starts1[s.slot - lo] = offsets[i], s.start
+            dest[offsets[i]] = s.slot - lo
+        ctx1 = max(max(starts1), MIN_CONTEXT)
+        k1, v1 = cache.k[:, lo:hi, :, :ctx1], cache.v[:, lo:hi, :, :ctx1]
         ids = torch.cat([s.ids for s in segments])
         pos = torch.cat([s.pos for s in segments])
-        dest = torch.tensor([s.slot - lo for s in segments])
-        ctx = max(max(starts), MIN_CONTEXT)
-        k_past, v_past = cache.k[:, lo:lo + B, :, :ctx], cache.v[:, lo:lo + B, :, :ctx]
-        src_t, starts_t = torch.tensor(src), torch.tensor(starts)
-        dynamic = [(ids, 0), (pos, 0), (src_t, 0), (dest, 0), (starts_t, 0),
-                   (k_past, 1), (k_past, 3), (v_past, 1), (v_past, 3)]
+        src1_t, starts1_t = torch.tensor(src1), torch.tensor(starts1)
+        args = [ids, pos, src1_t, starts1_t, k1, v1]
+        dynamic = [(ids, 0), (pos, 0), (src1_t, 0), (starts1_t, 0),
+                   (k1, 1), (k1, 3), (v1, 1), (v1, 3)]
+        if drafted:
+            Tq = max(len(segments[i]) for i in drafted)
+            B2 = max(2, len(drafted))
+            slots2 = [segments[i].slot for i in drafted]
+            slots2 += slots2[:1] * (B2 - len(drafted))  # padding: reads, masked, discarded
+            src2, starts2 = [N] * (B2 * Tq), [0] * B2
+            allowed = torch.eye(Tq, dtype=torch.bool).repeat(B2, 1, 1)
+            for b, i in enumerate(drafted):
+                s, o, T = segments[i], offsets[i], len(segments[i])
+                starts2[b] = s.start
+                src2[b * Tq: b * Tq + T] = range(o, o + T)
+                dest[o:o + T] = range(B1 + b * Tq, B1 + b * Tq + T)
+                allowed[b, :T, :T] = (s.mask if s.mask is not None
+                                      else torch.ones(T, T, dtype=torch.bool).tril())
+            ctx2 = max(max(starts2), MIN_CONTEXT)
+            # every slot's rows up to ctx2, a view: the graph gathers the blocks' slots
+            # (gathered here, the 5-d view's copy took 5-8 ms a pass)
+            k2, v2 = cache.k[:, :, :, :ctx2], cache.v[:, :, :, :ctx2]
+            src2_t, starts2_t = torch.tensor(src2), torch.tensor(starts2)
+            idx_t = torch.tensor(slots2)
+            mask2 = additive_mask(allowed, dtype)
+            args += [src2_t, starts2_t, idx_t, k2, v2, mask2]
+            dynamic += [(src2_t, 0), (starts2_t, 0), (idx_t, 0), (k2, 3), (v2, 3),
+                        (mask2, 0), (mask2, 1), (mask2, 2)]
+        dest_t = torch.tensor(dest)
+        args.append(dest_t)
+        dynamic.append((dest_t, 0))
         import torch.fx.experimental._config as shapes
 
         with shapes.patch(use_duck_shape=False):
-            got = self._call(family, "packed_row", self._packed_core,
-                             (ids, pos, src_t, dest, starts_t, k_past, v_past), dynamic, compile)
+            got = self._call(family, "packed_mixed" if drafted else "packed_row",
+                             lambda: self._packed_core(bool(drafted)), tuple(args), dynamic,
+                             compile, key=family[:2])
         if got is None:
             return None
         h, logits, k_new, v_new = got
-        slot_t, row_t = torch.tensor([s.slot for s in segments]), starts_t[dest]
+        slot_t = torch.tensor([s.slot for s in segments for _ in range(len(s))])
+        row_t = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])
         cache.k[:, slot_t, :, row_t] = k_new.transpose(0, 1)
         cache.v[:, slot_t, :, row_t] = v_new.transpose(0, 1)
-        return [(logits[i:i + 1], h[i:i + 1]) for i in range(N)]
+        return [(logits[o:o + len(s)], h[o:o + len(s)]) for s, o in zip(segments, offsets)]
 
     @torch.inference_mode()
     def warm_up(self, cache, slot: int, early_exit: bool = True, compile: bool = True) -> float:
@@ -376,22 +428,28 @@ class CompiledPasses:
 
 
 def _warm_up_batches(cache) -> list[list]:
-    """A batch for ``packed``'s family in the free slots of ``cache`` (none if fewer than two
-    are free), its sizes apart where the cache allows (rows, slots, context length)."""
+    """Batches for ``packed``'s families (one row each; some drafted) in the free slots of
+    ``cache`` (the first needs two free, the second three), their sizes apart where the
+    cache allows (rows, slots, block and context lengths)."""
     from nodraft.micro.packed import Segment  # packed imports this module's users
 
+    def seg(slot: int, start: int, T: int) -> Segment:
+        return Segment(slot, start, torch.zeros(T, dtype=torch.long),
+                       torch.arange(start, start + T))
+
     free = [s for s, n in enumerate(cache.lengths) if n == 0]
-    if len(free) < 2:
-        return []
-    # a slot range short of the whole cache: one as long as the cache would be contiguous
-    # across slots and layers, and the graph would take the layers' stride as a product of
-    # the slot count -- true at that count only
-    S = cache.n_slots
-    slots = (free[:1] + free[2:3] if len(free) >= 3 and free[2] - free[0] + 1 < S
-             else free[:2])
-    start = MIN_CONTEXT + 7
-    return [[Segment(s, start - i, torch.zeros(1, dtype=torch.long), torch.tensor([start - i]))
-             for i, s in enumerate(slots)]]
+    S, c = cache.n_slots, MIN_CONTEXT
+    out = []
+    if len(free) >= 2:
+        # a slot range short of the whole cache: one as long as the cache would be
+        # contiguous across slots and layers, and the graph would take the layers' stride
+        # as a product of the slot count -- true at that count only
+        slots = (free[:1] + free[2:3] if len(free) >= 3 and free[2] - free[0] + 1 < S
+                 else free[:2])
+        out.append([seg(slots[0], c + 7, 1), seg(slots[1], c + 6, 1)])
+    if len(free) >= 3:  # one row (a padded range of two) and two drafted blocks
+        out.append([seg(free[0], c + 7, 1), seg(free[1], c + 11, 3), seg(free[2], c + 9, 2)])
+    return out
 
 
 class Precompiled:
@@ -679,12 +737,22 @@ def _make_prefill_core(model, wt: dict[str, Tensor], mm):
 
 
 
-def _make_packed_core(model, wt: dict[str, Tensor], mm):
-    """A packed pass's function (``CompiledPasses.packed``): ids, pos (N,) of the batch's
-    one-row blocks; ``src`` (B,) the row of each slot of the range (N: the zero row),
-    ``dest`` (N,) each row's slot in the range; ``starts`` (B,) each slot's committed
-    length; k_past, v_past (layers, B, H, ctx, D) the slot range's cache rows. Returns the
-    final residual stream (N, dim), logits (N, V), and the rows' keys and values
+def _past_mask(starts: Tensor, ctx, dtype) -> Tensor:
+    """(B, 1, 1, ctx) additive: each slot's rows past its committed length ``starts`` out."""
+    return torch.zeros(starts.shape[0], ctx, dtype=dtype).masked_fill(
+        torch.arange(ctx)[None, :] >= starts[:, None], float("-inf"))[:, None, None, :]
+
+
+def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool):
+    """A packed pass's function (``CompiledPasses.packed``). ids, pos (N,): every block's
+    rows, packed. The one-row blocks: ``src1`` (B1,) the row of each slot of their range (N:
+    the zero row), ``starts1`` (B1,) each slot's committed length, k1, v1 (layers, B1, H,
+    ctx1, D) the range's cache rows. With ``mixed``, the drafted blocks: ``src2``
+    (B2 * Tq,) the row of each padded place, ``starts2`` (B2,), ``idx2`` (B2,) their slots,
+    k2, v2 (layers, slots, H, ctx2, D) every slot's rows, ``mask2`` (B2, Tq, Tq) additive,
+    the attention within each block.
+    ``dest`` (N,): each row's place among the groups' outputs (B1, then B2 * Tq). Returns
+    the final residual stream (N, dim), logits (N, V), and the rows' keys and values
     (layers, N, H, D)."""
     cos_t, sin_t = model.rope_cos, model.rope_sin
     c = model.config
@@ -693,13 +761,17 @@ def _make_packed_core(model, wt: dict[str, Tensor], mm):
     weights = [layer_weights(model.layers[i], wt, f"{i}.") for i in range(c.n_layers)]
     emb, head_wt, norm = model.tok_embeddings.weight, wt["head"], model.norm
 
-    def packed(ids: Tensor, pos: Tensor, src: Tensor, dest: Tensor, starts: Tensor,
-               k_past: Tensor, v_past: Tensor):
-        N, B, ctx = ids.shape[0], starts.shape[0], k_past.shape[3]
+    def packed(ids: Tensor, pos: Tensor, src1: Tensor, starts1: Tensor, k1: Tensor,
+               v1: Tensor, *rest: Tensor):
+        N, B1, ctx1 = ids.shape[0], starts1.shape[0], k1.shape[3]
+        dest = rest[-1]
         h = emb[ids]
         cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]  # (N, 1, 1, D)
-        past = torch.zeros(B, ctx, dtype=h.dtype).masked_fill(
-            torch.arange(ctx)[None, :] >= starts[:, None], float("-inf"))[:, None, None, :]
+        past1 = _past_mask(starts1, ctx1, h.dtype)
+        if mixed:
+            src2, starts2, idx2, k2, v2, mask2 = rest[:6]
+            B2, ctx2, Tq = starts2.shape[0], k2.shape[3], mask2.shape[1]
+            past2 = _past_mask(starts2, ctx2, h.dtype)
         zero = h.new_zeros(1, H, D)
         ks, vs = [], []
         for j, w in enumerate(weights):
@@ -707,21 +779,29 @@ def _make_packed_core(model, wt: dict[str, Tensor], mm):
             x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
             qkv = mm(x, wqkv).view(N, 3, H, D)
             qk = apply_rope(qkv[:, :2], cos, sin)
-            q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # (N, H, D)
-            # each slot's row, (B, H, 1, D) (no comprehension: a saved graph's code must
-            # not hold a nested function, whose globals a load does not supply)
-            qp = torch.cat([q, zero])[src][:, :, None]
-            kb = torch.cat([k, zero])[src][:, :, None]
-            vb = torch.cat([v, zero])[src][:, :, None]
-            s_past = torch.matmul(qp, k_past[j].transpose(-1, -2)) * scale + past
+            q0 = torch.cat([qk[:, 0], zero])  # (N + 1, H, D): the zero row last
+            k0 = torch.cat([qk[:, 1], zero])
+            v0 = torch.cat([qkv[:, 2], zero])
+            # the one-row blocks, (B1, H, 1, D) (no comprehensions here: a saved graph's
+            # code must not hold a nested function, whose globals a load does not supply)
+            qp, kb, vb = q0[src1][:, :, None], k0[src1][:, :, None], v0[src1][:, :, None]
+            s_past = torch.matmul(qp, k1[j].transpose(-1, -2)) * scale + past1
             s_self = (qp * kb).sum(-1, keepdim=True) * scale
             p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
-            y = torch.matmul(p[..., :ctx], v_past[j]) + p[..., ctx:] * vb  # (B, H, 1, D)
-            y = y[:, :, 0][dest]  # (N, H, D)
-            h = _mix(h, y.transpose(0, 1), w, mm)
-            ks.append(k)
-            vs.append(v)
+            y = (torch.matmul(p[..., :ctx1], v1[j]) + p[..., ctx1:] * vb)[:, :, 0]  # (B1, H, D)
+            if mixed:  # the drafted blocks, (B2, H, Tq, D); their own rows by bmm too
+                qp = q0[src2].view(B2, Tq, H, D).transpose(1, 2)
+                kb = k0[src2].view(B2, Tq, H, D).transpose(1, 2)
+                vb = v0[src2].view(B2, Tq, H, D).transpose(1, 2)
+                s_past = torch.matmul(qp, k2[j][idx2].transpose(-1, -2)) * scale + past2
+                s_self = torch.matmul(qp, kb.transpose(-1, -2)) * scale + mask2[:, None]
+                p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
+                y2 = torch.matmul(p[..., :ctx2], v2[j][idx2]) + torch.matmul(p[..., ctx2:], vb)
+                y = torch.cat([y, y2.transpose(1, 2).reshape(B2 * Tq, H, D)])
+            h = _mix(h, y[dest].transpose(0, 1), w, mm)
+            ks.append(qk[:, 1])
+            vs.append(qkv[:, 2])
         logits = mm(F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps), head_wt)
         return h, logits, torch.stack(ks), torch.stack(vs)
 
-    return named_code(packed, "micro_packed_row")
+    return named_code(packed, f"micro_packed_{'mixed' if mixed else 'row'}")

@@ -63,7 +63,7 @@ def passes(model) -> list[list[float]]:
     """Logits of a 1-row and a 5-row pass after 9 cached rows (and a 3-row one after 20),
     after a 20-row prefill; then packed passes (``forward_packed``): one row in every slot
     (the whole cache, where the warm-up's batch spanned less of it), one row in a sparse
-    range of slots, then chains and a tree."""
+    range of slots, then chains and a tree beside a one-row block (the mixed family)."""
     from nodraft.engine.sequence import tree_attention_mask
     from nodraft.micro.packed import Segment, forward_packed
 
@@ -95,7 +95,8 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     model.compiled.export_to = tmp_path / "tiny"
     model.compiled.warm_up(KVCache(SMALL, SLOTS), 0, early_exit=False)
     saved = sorted(p.name.split("-")[0] + p.suffix for p in (tmp_path / "tiny").iterdir())
-    assert saved == ["packed_row.json", "packed_row.pt2", "passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
+    assert saved == ["packed_mixed.json", "packed_mixed.pt2", "packed_row.json",
+                     "packed_row.pt2", "passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
                      "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2",
                      "prefill.json", "prefill.pt2"]
     want = passes(model)  # the saved graphs, run in this process
@@ -106,7 +107,7 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # loaded, run (none refused by its guards: it would have run eager) and nothing traced
-    assert got["loaded"] == got["running"] == got["ran"] == 4 and got["frames"] == 0
+    assert got["loaded"] == got["running"] == got["ran"] == 5 and got["frames"] == 0
     assert got["refused"]
     torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(want), rtol=1e-5,
                                atol=1e-5)

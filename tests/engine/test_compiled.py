@@ -251,15 +251,20 @@ def _packed_batches(model, cache):
         [seg(s, 1) for s in range(5)],
         [seg(0, 1), seg(2, 1), seg(4, 1)],
         [seg(0, 4), seg(1, 1), seg(3, 5, torch.tensor([0, 1, 1, 2, 3]), tree), seg(4, 2)],
+        [seg(0, 1), seg(1, 1), seg(3, 1), seg(4, 3)],  # one drafted block: its group padded
+        [seg(1, 2), seg(4, 3)],  # drafted blocks only: the one-row group all padding
+        [seg(2, 1), seg(3, 6), seg(0, 2)],  # one one-row block (an empty prefix)
         [seg(0, 3), Segment(2, 0, ids(9), torch.arange(9), logits=False),
          Segment(1, 12, ids(6), torch.arange(12, 18), logits=False), seg(4, 1)],
     ]
 
 
 def test_packed_passes_match_eager(checkpoint_dir):
-    """The compiled packed pass (micro/compiled.py ``packed``, through ``forward_packed``)
-    gives eager's logits, hidden states and cache rows, for every kind of batch (drafted
-    blocks and later prompt chunks eager beside it)."""
+    """The compiled packed passes (micro/compiled.py ``packed``, through ``forward_packed``)
+    give eager's logits, hidden states and cache rows, for every kind of batch: one-row
+    blocks over the whole cache and in a sparse range, drafted blocks (chains, a tree)
+    beside one-row ones or alone, a lone one-row block beside drafted ones, prompt chunks
+    beside steps (a later chunk eager)."""
     from nodraft.micro.packed import forward_packed
 
     eager = load_model("micro", checkpoint_dir)
@@ -275,4 +280,14 @@ def test_packed_passes_match_eager(checkpoint_dir):
             torch.testing.assert_close(hg, hw, rtol=1e-4, atol=2e-4)
         torch.testing.assert_close(cc.k, ce.k, rtol=1e-4, atol=2e-4)
         torch.testing.assert_close(cc.v, ce.v, rtol=1e-4, atol=2e-4)
-    assert any(f[0] == "packed" for f in compiled.compiled._ready)  # it ran compiled
+    families = {f[:2] for f in compiled.compiled._ready if f[0] == "packed"}
+    assert families == {("packed", False), ("packed", True)}  # both ran compiled
+    # drafted blocks past PACKED_DRAFTED_ROWS padded rows: left to the eager pass
+    from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
+    from nodraft.micro.packed import Segment
+
+    T = PACKED_DRAFTED_ROWS // 4 + 1
+    wide = [Segment(s, 20, torch.zeros(T, dtype=torch.long), torch.arange(20, 20 + T))
+            for s in range(4)]
+    assert compiled.compiled.packed(wide, cc) is None
+    assert compiled.compiled.packed(wide[:3], cc) is not None
