@@ -36,9 +36,10 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   (engine/artifacts.py): a process of its own builds every family once per machine, and
   every engine loads them at start.
 
-- **Packed passes.** Several sequences' one-row blocks in one pass (continuous batching)
-  have a family of their own per cache shape (``packed``); every size symbolic, duck
-  sizing off (docs/ARCHITECTURE.md, "Compiled packed passes").
+- **Packed passes.** Several sequences' blocks in one pass (continuous batching) have two
+  families of their own per cache shape (``packed``): every block one row, or some
+  drafted; every size symbolic, duck sizing off (docs/ARCHITECTURE.md, "Compiled packed
+  passes").
 
 The numbers differ from eager micro in the last bits (fused reductions), as eager
 already differs between a 1-row and a k-row pass. A prompt's first 256 rows are
@@ -508,8 +509,13 @@ class Precompiled:
         if Precompiled.claim is not None and not Precompiled.claim(stem):
             return None
         t0 = time.perf_counter()
-        aot = torch.compile(fn, fullgraph=True, options={**options, "guard_filter_fn": saved_guards}
-                            ).aot_compile((inputs, {}))
+        # what dynamo learnt from earlier compiles of the same code in this process (sizes
+        # it saw change, made dynamic by itself) must not shape a saved graph: a graph
+        # traced after a lazy compile's recompiles was saved needing the process's globals
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            aot = torch.compile(fn, fullgraph=True,
+                                options={**options, "guard_filter_fn": saved_guards}
+                                ).aot_compile((inputs, {}))
         log.info("nodraft: compiled %s (%.1f s)", stem, time.perf_counter() - t0)
         if self.export_to is not None:
             self.export_to.mkdir(parents=True, exist_ok=True)

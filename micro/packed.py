@@ -109,11 +109,11 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
     weight for the whole batch); attention keeps each sequence to its own slot. Keys and
     values are written to each segment's rows; committed lengths do not change.
 
-    With compiled passes (``Micro.compile``), when every block that wants logits is one
-    row (no sequence drafts this pass) they run as one compiled packed pass
+    With compiled passes (``Micro.compile``) the blocks that want logits (at most
+    ``NARROW`` rows each: current tokens and drafts) run as one compiled packed pass
     (``CompiledPasses.packed``), each prompt's first chunk through the compiled prefill,
-    and only what neither takes (drafted blocks, a later chunk of a long prompt, a family
-    not compiled yet) eagerly, in a packed pass of its own.
+    and only what neither takes (a later chunk of a long prompt, drafts too many for the
+    compiled pass, a family not compiled yet) eagerly, in a packed pass of its own.
     """
     compiled = model.compiled
     if compiled is None:
