@@ -374,7 +374,7 @@ class CompiledPasses:
                                       else torch.ones(T, T, dtype=torch.bool).tril())
             ctx2 = max(max(starts2), MIN_CONTEXT)
             # every slot's rows up to ctx2, a view: the graph gathers the blocks' slots
-            # (gathered here, the 5-d view's copy took 5-8 ms a pass)
+            # (gathered here, the 5-d view's copies took 5-8 ms each, keys and values)
             k2, v2 = cache.k[:, :, :, :ctx2], cache.v[:, :, :, :ctx2]
             src2_t, starts2_t = torch.tensor(src2), torch.tensor(starts2)
             idx_t = torch.tensor(slots2)
