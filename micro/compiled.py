@@ -53,6 +53,7 @@ compiled passes a server loads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -63,6 +64,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config as shape_config  # loaded with torch: no dynamo import
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -385,9 +387,10 @@ class CompiledPasses:
         dest_t = torch.tensor(dest)
         args.append(dest_t)
         dynamic.append((dest_t, 0))
-        import torch.fx.experimental._config as shapes
-
-        with shapes.patch(use_duck_shape=False):
+        # duck sizing off while the family is traced (a loaded or compiled one runs as is)
+        tracing = (shape_config.patch(use_duck_shape=False) if family not in self._ready
+                   else contextlib.nullcontext())
+        with tracing:
             got = self._call(family, "packed_mixed" if drafted else "packed_row",
                              lambda: self._packed_core(bool(drafted)), tuple(args), dynamic,
                              compile, key=family[:2])
@@ -740,7 +743,6 @@ def _make_prefill_core(model, wt: dict[str, Tensor], mm):
         return h, torch.stack(ks), torch.stack(vs)
 
     return named_code(prefill, "micro_prefill")
-
 
 
 def _past_mask(starts: Tensor, ctx, dtype) -> Tensor:
