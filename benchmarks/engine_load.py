@@ -2,6 +2,7 @@
 
     python benchmarks/engine_load.py [--concurrency 1,8,32] [--requests-per-stream 6]
                                      [--max-tokens 64] [--rounds 2] [--threads 1]
+                                     [--sampling 0,0.8] [--seed 0]
                                      [--no-response-store] [--compile] [--out FILE.json]
 
 Submits ``concurrency * requests-per-stream`` requests (the loadtest's built-in prompts, in
@@ -13,7 +14,16 @@ shows what the engine itself does (``benchmarks/batching.py`` measures the serve
 ``--no-response-store``: suffix decoding keeps no previous responses (its ``close`` does
 nothing). The built-in prompts repeat, so otherwise from the second request on a prompt the
 store holds its greedy answer, and ``auto`` drafts it whole; this shows auto without that
-help. Eager passes unless ``--compile``.
+help.
+
+``--sampling``: temperatures, each measured apart (0: greedy); a sampled request i is seeded
+``--seed + i`` (seeded sampling's drafter-invariant rule, as ``nodraft loadtest --seed``).
+
+Eager passes unless ``--compile``: then the engine is built as the engine process builds it
+and loads the compiled graphs built for this machine (``nodraft compile``; built first if
+there are none), single-sequence and packed, and waits until they are ready. The packed
+graphs are built for the server's cache (``--max-running``, 32 slots by default); an engine
+here has one slot per stream, so only at 32 streams does the batch's pass run compiled.
 """
 
 from __future__ import annotations
@@ -32,10 +42,12 @@ from nodraft.clients.loadtest import PROMPTS
 from nodraft.drafters.registry import Registry
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.engine.core import Engine, GenerationRequest
+from nodraft.engine.verify import SamplingParams
 
 
 def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,
-        requests: int, max_tokens: int, threads: int) -> float:
+        requests: int, max_tokens: int, threads: int, temperature: float = 0.0,
+        seed: int = 0) -> float:
     """Generated tokens/s of ``requests`` requests through an engine with ``streams`` slots."""
     engine = Engine({"micro": model}, registry, eot_id=None, max_running=streams,
                     max_waiting=requests, threads=threads)
@@ -56,8 +68,9 @@ def run(model, prompts: list[list[int]], registry: Registry, method: str, stream
     try:
         t0 = time.perf_counter()
         for i in range(requests):
+            sp = SamplingParams(temperature, seed=seed + i) if temperature else SamplingParams()
             engine.submit(GenerationRequest("micro", prompts[i % len(prompts)], max_tokens,
-                                            method=meth, params=params), callback)
+                                            sampling=sp, method=meth, params=params), callback)
         for _ in range(requests):
             done.acquire()
         seconds = time.perf_counter() - t0
@@ -78,7 +91,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-response-store", action="store_true",
                    help="suffix decoding stores no previous responses")
-    p.add_argument("--compile", action="store_true", help="compiled one-sequence passes")
+    p.add_argument("--sampling", default="0", help="temperatures, comma-separated (0: greedy)")
+    p.add_argument("--seed", type=int, default=0, help="sampled request i is seeded SEED + i")
+    p.add_argument("--compile", action="store_true",
+                   help="the compiled graphs built for this machine (built first if missing)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -94,35 +110,57 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure(args, argv) -> None:
     tok = load_tokenizer()
-    model = load_model("micro", CHECKPOINT_DIR).compile(args.compile)
+    model = load_model("micro", CHECKPOINT_DIR)
+    if args.compile:
+        model = compiled_micro(args.threads)
     prompts = [tok.encode(text) for text in PROMPTS.values()]
     registry = Registry()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    temperatures = [float(t) for t in args.sampling.split(",")]
     rows = []
     for streams in (int(c) for c in args.concurrency.split(",")):
         n = streams * args.requests_per_stream
-        got: dict[str, list[float]] = {m: [] for m in methods}
+        got = {(t, m): [] for t in temperatures for m in methods}
         run(model, prompts, registry, methods[0], streams, min(n, streams), args.max_tokens,
-            args.threads)  # warm-up (and, compiled, the graphs)
+            args.threads)  # warm-up
         for _ in range(args.rounds):
+            for t in temperatures:
+                for m in methods:
+                    got[t, m].append(run(model, prompts, registry, m, streams, n,
+                                         args.max_tokens, args.threads, t, args.seed))
+        for t in temperatures:
+            base = statistics.median(got[t, methods[0]])
             for m in methods:
-                got[m].append(run(model, prompts, registry, m, streams, n, args.max_tokens,
-                                  args.threads))
-        base = statistics.median(got[methods[0]])
-        for m in methods:
-            tps = statistics.median(got[m])
-            rows.append({"concurrency": streams, "method": m, "tokens_per_s": tps,
-                         "x_first_method": tps / base})
-            print(json.dumps(rows[-1]), file=sys.stderr)
+                tps = statistics.median(got[t, m])
+                rows.append({"concurrency": streams, "temperature": t, "method": m,
+                             "tokens_per_s": tps, "runs": got[t, m],
+                             "x_first_method": tps / base})
+                print(json.dumps(rows[-1]), file=sys.stderr)
     result = {"command": "python benchmarks/engine_load.py " + " ".join(argv or sys.argv[1:]),
               "threads": args.threads, "rows": rows}
     print(f"Command: `{result['command']}`\n")
-    print(f"| streams | method | tokens/s | x {methods[0]} |\n|---|---|---|---|")
+    print(f"| streams | temperature | method | tokens/s | x {methods[0]} |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']:.0f} | "
-              f"{r['x_first_method']:.2f} |")
+        print(f"| {r['concurrency']} | {r['temperature']:g} | {r['method']} | "
+              f"{r['tokens_per_s']:.0f} | {r['x_first_method']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def compiled_micro(threads: int):
+    """micro as the engine process serves it: the compiled graphs built for this machine,
+    loaded (and built first, in processes of their own, if there are none)."""
+    from nodraft.engine.launch import EngineConfig
+    from nodraft.engine.process import build_engine, start_warm_up
+
+    config = EngineConfig(checkpoints=str(CHECKPOINT_DIR), threads=threads)
+    engine = build_engine(config)
+    start_warm_up(engine, config)
+    while not (engine.compiled_ready or engine.compiled_error):
+        time.sleep(0.2)
+    if engine.compiled_error:
+        raise RuntimeError(f"compiled passes failed: {engine.compiled_error}")
+    return engine.models["micro"]
 
 
 if __name__ == "__main__":

@@ -104,13 +104,15 @@ def paired_exit_acceptance(model, prompts, tokens, sp_args: dict, exit_layer: in
     prompt continued by plain seeded sampling, then at every generated position p (the
     target's distribution) and q (the exit's): the unseeded rule accepts with probability
     sum_v min(p(v), q(v)) (q at the request's temperature, as early exit sends it); the
-    seeded rule's draft and target tokens are argmax q / E and argmax p / E over the same
-    noise E, so it accepts with P(they agree), estimated over ``draws`` noise draws.
-    Paired, so the figures differ only by the rule, not by which texts were sampled."""
-    from nodraft.engine.verify import target_probs
+    seeded rule's draft and target tokens are the race's (``engine.sampling.race``) over q
+    and over p with the same noise, so it accepts with P(they agree), estimated over
+    ``draws`` noises (seeds). Paired, so the figures differ only by the rule, not by which
+    texts were sampled."""
+    from nodraft.engine.sampling import PositionNoise, race
+    from nodraft.engine.verify import scaled_logits, target_probs
 
-    gen = torch.Generator().manual_seed(seed)
     sp = SamplingParams(seed=None, **sp_args)
+    noises = [PositionNoise(seed + k, model.config.vocab_size) for k in range(draws)]
     rejection, coupled = [], []
     reg = Registry()
     for i, prompt in enumerate(prompts):
@@ -127,12 +129,13 @@ def paired_exit_acceptance(model, prompts, tokens, sp_args: dict, exit_layer: in
         pt = target_probs(logits[rows], sp).double()
         exit_logits = model.head(hidden[exit_layer - 1][0])[rows]
         q_sent = (exit_logits.float() / sp.temperature).softmax(-1).double()
-        q_seeded = target_probs(exit_logits, sp).double()
         rejection += torch.minimum(pt, q_sent).sum(-1).tolist()
+        st, sq = scaled_logits(logits[rows], sp), scaled_logits(exit_logits, sp)
         for r in range(pt.shape[0]):
-            e = -torch.log1p(-torch.rand(draws, pt.shape[1], dtype=torch.float64, generator=gen))
-            agree = (pt[r] / e).argmax(-1) == (q_seeded[r] / e).argmax(-1)
-            coupled.append(float(agree.double().mean()))
+            at = [len(prompt) + r] * draws
+            agree = [a == b for a, b in zip(race(st[r].expand(draws, -1), noises, at),
+                                            race(sq[r].expand(draws, -1), noises, at))]
+            coupled.append(sum(agree) / draws)
     return {"exit_layer": exit_layer, "positions": len(rejection),
             "unseeded": sum(rejection) / len(rejection), "seeded": sum(coupled) / len(coupled)}
 

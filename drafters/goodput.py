@@ -22,9 +22,10 @@ Two readers, one model:
 - the engine's batching scheduler (engine/scheduler.py) gives each sequence its share of a
   packed pass by the marginal form (``marginal_length``): the j-th draft token is worth its
   ``E[alpha**j]`` tokens for ``b`` seconds of pass (the pass's per-row cost), against the
-  batch's goodput ``G``; pass seconds are the line ``a + b * rows`` fitted over recent
-  packed passes (``PassFit``): packed passes are other graphs than a lone sequence's, so
-  they are timed as they run.
+  batch's goodput ``G``, and a draft as a whole repays its drafting time and the fixed
+  cost of a drafted block in a packed pass; pass seconds are fitted over recent packed
+  passes (``PassFit``: per pass, per row, per drafting sequence, per prompt row): packed
+  passes are other graphs than a lone sequence's, so they are timed as they run.
 
 Both count with the same belief: accepted tokens and rejections of recent steps, decayed
 by ``DECAY`` per observation (an exponential moving average).
@@ -34,7 +35,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import numpy as np
 
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # Beta(1, 1): uniform, mean 0.5
 DECAY = 0.85  # per observation, for one sequence's counts
@@ -107,31 +110,62 @@ def marginal_length(tokens: list[float], b: float, draft_seconds: float, G: floa
     return k if (tokens[k] - 1.0) / (draft_seconds + k * b) > G else 0
 
 
+class PassCoefficients(NamedTuple):
+    """A packed pass's seconds, ``a + b * rows + drafted * sequences drafting + prefill *
+    prompt rows``."""
+
+    a: float  # the pass itself
+    b: float  # per decode row: a stepping sequence's current token, a draft node
+    drafted: float  # per sequence whose block carries a draft (its KV read apart)
+    prefill: float  # per prompt row of a prefill chunk
+
+
 class PassFit:
-    """Seconds of a packed pass, ``a + b * rows``, fitted by least squares over the recent
-    passes; until 8 are seen, the prior (an eager packed pass of micro on a CPU)."""
+    """Seconds of a packed pass (``PassCoefficients``) fitted by least squares over the
+    recent passes. Each coefficient is also pulled towards its prior by a pseudo-pass of
+    weight ``PRIOR_PASSES``, so one whose regressor never varied (no drafts yet, no
+    prompts) keeps its prior instead of an arbitrary value; until 8 passes are seen, the
+    prior (a compiled packed pass of micro on a CPU).
 
-    def __init__(self, a: float = 1.5e-3, b: float = 6e-5, window: int = 256):
-        self.prior = (a, b)
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+    Rows of a drafted block cost more than one-row blocks: a compiled packed pass reads
+    a drafted block's keys and values apart from the one-row blocks' (``micro.compiled``),
+    a fixed cost per drafting sequence that grows with its context -- so a draft is
+    priced at ``drafted + k * b``, not ``k * b`` alone."""
 
-    def observe(self, rows: int, seconds: float) -> None:
-        self.samples.append((rows, seconds))
+    PRIOR = PassCoefficients(1.5e-3, 8e-5, 3e-4, 4e-5)
+    SCALE = (1.0, 32.0, 4.0, 32.0)  # a typical pass's regressors: the prior's pseudo-pass
+    PRIOR_PASSES = 0.01
+
+    def __init__(self, prior: PassCoefficients | None = None, window: int = 256):
+        self.prior = prior or self.PRIOR
+        self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+        self._fit: PassCoefficients | None = None
+        self._fitted_at = -1
+        self._seen = 0
+
+    def observe(self, rows: int, seconds: float, drafted: int = 0, prefill: int = 0) -> None:
+        """One pass: its decode ``rows``, the sequences among them ``drafted``, its
+        ``prefill`` (prompt) rows, and the seconds it took."""
+        self.samples.append((rows, drafted, prefill, seconds))
+        self._seen += 1
 
     @property
-    def coefficients(self) -> tuple[float, float]:
+    def coefficients(self) -> PassCoefficients:
         n = len(self.samples)
         if n < 8:
             return self.prior
-        mx = sum(r for r, _ in self.samples) / n
-        my = sum(s for _, s in self.samples) / n
-        sxx = sum((r - mx) ** 2 for r, _ in self.samples)
-        if sxx < 1e-9 * n:  # all passes the same size: keep the prior slope
-            b = self.prior[1]
-            return max(1e-5, my - b * mx), b
-        b = sum((r - mx) * (s - my) for r, s in self.samples) / sxx
-        b = max(b, 1e-6)
-        return max(1e-5, my - b * mx), b
+        if self._fit is None or self._seen - self._fitted_at >= 8:  # refit every 8 passes
+            self._fit, self._fitted_at = self._solve(), self._seen
+        return self._fit
+
+    def _solve(self) -> PassCoefficients:
+        data = np.array(self.samples, dtype=np.float64)
+        x = np.column_stack([np.ones(len(data)), data[:, :3]])
+        weight = np.sqrt(self.PRIOR_PASSES) * np.array(self.SCALE)
+        x = np.vstack([x, np.diag(weight)])
+        y = np.concatenate([data[:, 3], weight * np.array(self.prior)])
+        a, b, drafted, prefill = np.linalg.lstsq(x, y, rcond=None)[0].tolist()
+        return PassCoefficients(max(a, 1e-5), max(b, 1e-6), max(drafted, 0.0), max(prefill, 0.0))
 
 
 def regime(temperature: float) -> str:

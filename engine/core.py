@@ -53,7 +53,8 @@ from nodraft.micro.packed import Segment, forward_packed
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats
-from nodraft.engine.verify import SamplingParams
+from nodraft.engine.sampling import race
+from nodraft.engine.verify import RACE_ROWS, SamplingParams, kept
 
 log = logging.getLogger("nodraft.engine")
 
@@ -198,6 +199,11 @@ class Engine:
                     self._compile_all()
                 else:
                     self._load_all(load)
+            except Exception as e:  # whatever went wrong, never "warming" for ever: eager
+                log.exception("nodraft: compiled passes failed")
+                self.compiled_error = self.compiled_error or f"{type(e).__name__}: {e}"
+                for model in self.models.values():
+                    model.compiled = None
             finally:
                 sys.setswitchinterval(switch)
                 self._warming = False
@@ -469,6 +475,8 @@ class Engine:
             self.free_slots[name].remove(slot)
             try:
                 handle.sequence = self._sequence(handle, slot)
+                handle.draft_state = self.scheduler.state_for(handle.request.method,
+                                                              handle.request.sampling.temperature)
             except Exception as e:  # a drafter that cannot be built fails its request only
                 self.free_slots[name].append(slot)
                 handle.report(Event("error", error=f"{type(e).__name__}: {e}"))
@@ -500,6 +508,7 @@ class Engine:
 
     def _packed_pass(self, name: str, handles: list[Handle]) -> None:
         """One target pass for every sequence of one model: prefill chunks and drafts."""
+        t_start = time.perf_counter()
         model, cache = self.models[name], self.caches[name]
         segments: list[Segment] = []
         jobs: list[tuple[Handle, Draft | None]] = []  # None: a prefill chunk
@@ -518,12 +527,14 @@ class Engine:
                     continue  # this pass's prefill rows are spent; next pass
             stepping.append(h)
         plan = [(h.draft_state, h.request.method, h.sequence.budget()) for h in stepping]
-        limits = self.scheduler.limits(plan, sum(len(s) for s in segments) + len(stepping))
+        limits = self.scheduler.limits(plan, len(stepping), sum(len(s) for s in segments))
+        drafting_s = 0.0
         for h, k in zip(stepping, limits):
             seq = h.sequence
             t0 = time.perf_counter()
             draft = seq.propose(k)  # k = 0: the drafter is not consulted this pass
             if k > 0:
+                drafting_s += time.perf_counter() - t0
                 self.scheduler.observe_propose(h.request.method, time.perf_counter() - t0)
             try:
                 segments.append(seq.verify_segment(draft))
@@ -540,10 +551,14 @@ class Engine:
             for h, _ in jobs:
                 self._fail(h, e)
             return
-        self.scheduler.timer.observe(sum(len(s) for s in segments), time.perf_counter() - t0)
+        decode = [len(s) for s in segments if s.logits]
+        pass_s = time.perf_counter() - t0
+        self.scheduler.timer.observe(sum(decode), pass_s,
+                                     drafted=sum(1 for n in decode if n > 1),
+                                     prefill=sum(len(s) for s in segments if not s.logits))
         self.passes += 1
-        argmax = _greedy_argmax(jobs, outputs)
-        for (h, draft), seg, (logits, hidden), ids in zip(jobs, segments, outputs, argmax):
+        targets = _targets(jobs, outputs)
+        for (h, draft), seg, (logits, hidden), ids in zip(jobs, segments, outputs, targets):
             seq = h.sequence
             try:
                 if draft is None:
@@ -554,9 +569,12 @@ class Engine:
                 self._fail(h, e)
                 continue
             self._report_step(h, result, max(draft.depths(), default=0))
+        if stepping:  # what a step costs a sequence besides the pass and its drafter
+            self.scheduler.observe_overhead(
+                (time.perf_counter() - t_start - pass_s - drafting_s) / len(stepping))
 
     def _report_step(self, handle: Handle, result: StepResult, depth: int) -> None:
-        handle.draft_state.observe(depth, result.n_accepted)
+        self.scheduler.observe(handle.draft_state, depth, result.n_accepted)
         self._outbox.append((handle, Event("step", step=result)))
 
     def _deliver(self) -> None:
@@ -593,21 +611,53 @@ class Engine:
                             error=handle.error if reason == "error" else None))
 
 
-def _greedy_argmax(jobs: list[tuple[Handle, Draft | None]], outputs: list
-                   ) -> list[list[int] | None]:
-    """Per job of a packed pass, its rows' argmaxes if it verifies greedily (None
-    otherwise): taken for all such rows in one call, not one per sequence."""
-    greedy = [j for j, (h, draft) in enumerate(jobs)
-              if draft is not None and h.request.sampling.greedy]
+def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
+             ) -> list[list[int] | None]:
+    """Per job of a packed pass, its block rows' own tokens (``verify.accept``): greedy, the
+    argmax; seeded sampling, the race -- each kind taken for all its rows in one call, not
+    one per sequence. None for the rest (unseeded sampling; drafted blocks too big to race
+    whole, or whose rows top-k or top-p filter): ``accept`` finds those."""
+    greedy, seeded = [], []
+    for j, (h, draft) in enumerate(jobs):
+        if draft is None:
+            continue
+        if h.request.sampling.greedy:
+            greedy.append(j)
+        elif h.sequence.noise is not None and (
+                not len(draft) or len(draft) < RACE_ROWS and not h.request.sampling.filters):
+            seeded.append(j)
     out: list[list[int] | None] = [None] * len(jobs)
-    if not greedy:
-        return out
-    ids = torch.cat([outputs[j][0] for j in greedy]).argmax(-1).tolist()
-    o = 0
-    for j in greedy:
-        n = outputs[j][0].shape[0]
-        out[j], o = ids[o:o + n], o + n
+    if greedy:
+        _scatter(out, greedy, [outputs[j][0].shape[0] for j in greedy],
+                 torch.cat([outputs[j][0] for j in greedy]).max(-1).indices.tolist())
+    if seeded:
+        rows, temps, noises, positions, sizes = [], [], [], [], []
+        for j in seeded:
+            h, draft = jobs[j]
+            n = len(draft) + 1
+            rows.append(outputs[j][0][:n])
+            sizes.append(n)
+            temps += [h.request.sampling.temperature] * n
+            noises += [h.sequence.noise] * n
+            start = len(h.sequence.tokens)
+            positions += [start + d for d in (0, *draft.depths())]
+        scaled = torch.cat(rows).float().div_(torch.tensor(temps)[:, None])
+        o = 0
+        for j, n in zip(seeded, sizes):  # top-k and top-p, per request (one row each)
+            sp = jobs[j][0].request.sampling
+            if sp.filters:
+                keep = kept(scaled[o:o + n], sp)
+                if keep is not None:
+                    scaled[o:o + n].masked_fill_(~keep, float("-inf"))
+            o += n
+        _scatter(out, seeded, sizes, race(scaled, noises, positions))
     return out
+
+
+def _scatter(out: list, jobs: list[int], sizes: list[int], ids: list[int]) -> None:
+    o = 0
+    for j, n in zip(jobs, sizes):
+        out[j], o = ids[o:o + n], o + n
 
 
 def _depth(result: StepResult) -> int:

@@ -1,34 +1,51 @@
-"""Seeded sampling that no drafter can change: the Gumbel-max race over per-position noise.
+"""Seeded sampling that no drafter can change: a Gumbel-max race over per-position noise.
 
-With a seed, the token at sequence position t is
+With a seed, the token at sequence position t is drawn from p_t (the target's (temperature,
+top-k, top-p) distribution after the prefix) by a race whose noise is a function of
+(seed, t) only, so x_t is a function of (prefix, seed, t) alone. Verification checks each
+draft token against x_t exactly as greedy verification checks it against the argmax, so
+the text is, token for token, what plain sampling with that seed gives, whatever was
+drafted, whatever shares the batch (Daliri, Musco and Suresh, "Coupling without
+Communication and Drafter-Invariant Speculative Decoding", 2024).
 
-    x_t = argmax_v  p_t(v) / E_t(v),    E_t(v) ~ Exp(1) i.i.d., a function of (seed, t, v) only
+The race is the Gumbel-max trick taken in two levels. The vocabulary is cut into ``groups``
+consecutive blocks of ``width`` token ids (about sqrt(V) each: 64 x 64 for micro). Then
 
-where p_t is the target's (temperature, top-k, top-p) distribution after the prefix. This is
-the exponential race, the Gumbel-max trick written without logarithms: x_t is distributed
-exactly as p_t, and it is a function of (prefix, seed, t) alone. Verification checks each
-draft token against x_t exactly as greedy verification checks it against the argmax, so the
-text is, token for token, what plain sampling with that seed gives, whatever was drafted,
-whatever shares the batch (Daliri, Musco and Suresh, "Coupling without Communication and
-Drafter-Invariant Speculative Decoding", 2024).
+    g_t = argmax_g  log m_t(g) + H_t(g),      m_t(g) = sum of p_t over group g
+    x_t = argmax_{v in g_t}  l_t(v) / T + G_t(g_t, v)
 
-A drafter with a distribution of its own (early exit's q) draws its proposal from the same
-noise, argmax_v q(v) / E_t(v); it then agrees with the target with probability at least
-(1 - TV(p, q)) / (1 + TV(p, q)).
+with H and G independent standard Gumbel noise (-log E, E ~ Exp(1)) and l_t the logits
+(top-k and top-p remove tokens before either argmax). The first argmax picks group g with
+probability m_t(g), the second token v of it with probability p_t(v) / m_t(g): x_t is
+distributed exactly as p_t. A flat race over the whole vocabulary would draw V noise
+values per token (4096 here; generating them cost more than the target's own pass per
+token under load); this one draws ``groups`` plus ``width``, and the within-group noise only
+for the groups a race lands in.
 
-Noise: E_t(v) = -log(1 - U), U uniform in [0, 1) at float64 (53 bits) from a generator
-seeded by a 64-bit hash of (seed, t); a zero E (probability 2^-53 per entry) is raised to the
-smallest normal double.
+A drafter with a distribution of its own (early exit's q) draws its proposal by the same
+race over q; it then agrees with the target where both races pick the same group and the
+same token in it: a Gumbel coupling at each level.
+
+Noise: a hash of its name, so it is computed when a race needs it (every row of a packed
+pass at once) and nothing is kept between passes: the group noise at position t is the
+SHAKE256 output of ``race:<seed>:<t>``, the within-group noise of group g that of
+``race:<seed>:<t>:<g>``, 64 bits per entry -- a 53-bit uniform U, then E = -log(1 - U) (a
+zero E, probability 2^-53, is raised to the smallest normal double).
+Group masses are summed in float32 (relative to the row's largest logit), the races
+run in float64.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
-_TINY = torch.finfo(torch.float64).tiny
+_TINY = np.finfo(np.float64).tiny
+_U64 = np.uint64
 
 
 def derive_seed(seed: int, *keys: int | str) -> int:
@@ -38,30 +55,64 @@ def derive_seed(seed: int, *keys: int | str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
+def group_shape(vocab_size: int) -> tuple[int, int]:
+    """(groups, width): the race's cut of the vocabulary, ``groups * width >= V``."""
+    width = math.isqrt(vocab_size - 1) + 1 if vocab_size > 1 else 1
+    return -(-vocab_size // width), width
+
+
+def gumbels(streams: list[bytes], n: int) -> np.ndarray:
+    """(len(streams), n) float64 standard Gumbel noise, -log E with E ~ Exp(1): row r from
+    the SHAKE256 output of ``streams[r]``, 64 bits per entry -- its top 53 a uniform U,
+    E = -log(1 - U)."""
+    raw = b"".join([hashlib.shake_256(s).digest(8 * n) for s in streams])
+    u = (np.frombuffer(raw, dtype="<u8").reshape(len(streams), n) >> _U64(11)).astype(np.float64)
+    u *= 2.0 ** -53
+    e = np.log1p(np.negative(u, out=u), out=u)  # log(1 - U) = -E
+    np.minimum(e, -_TINY, out=e)  # E = 0 (U = 0, probability 2^-53) raised to the tiniest
+    return np.negative(np.log(np.negative(e, out=e), out=e), out=e)
+
+
 class PositionNoise:
-    """Exp(1) noise per (seed, position) over the vocabulary; positions are indices in the
-    sequence (prompt included), so position t's noise never depends on how it was reached."""
+    """One request's race noise (``race``). Position t's noise never depends on how it was
+    reached, or on which positions or groups were asked for before: it is a hash of
+    (seed, t, group), computed whenever asked; nothing is kept."""
 
     def __init__(self, seed: int, vocab_size: int):
         self.seed = seed % 2**64
         self.vocab_size = vocab_size
-        self._gen = torch.Generator()
-        self._cache: dict[int, Tensor] = {}
+        self.groups, self.width = group_shape(vocab_size)
 
-    def exponentials(self, pos: int) -> Tensor:
-        """(V,) float64 Exp(1) draws for position ``pos``."""
-        e = self._cache.get(pos)
-        if e is None:
-            self._gen.manual_seed(derive_seed(self.seed, pos))
-            u = torch.rand(self.vocab_size, dtype=torch.float64, generator=self._gen)
-            e = self._cache[pos] = torch.log1p(-u).neg_().clamp_min_(_TINY)
-        return e
+    def group_stream(self, pos: int) -> bytes:
+        """The name of H_t's stream, t = ``pos``."""
+        return b"race:%d:%d" % (self.seed, pos)
 
-    def draw(self, probs: Tensor, pos: int) -> int:
-        """The token at ``pos`` under ``probs`` (V,): argmax p / E, exactly distributed as p."""
-        return int((probs.double() / self.exponentials(pos)).argmax())
+    def group_gumbels(self, pos: int) -> np.ndarray:
+        """(groups,) float64: H_t for t = ``pos``."""
+        return gumbels([self.group_stream(pos)], self.groups)[0]
 
-    def forget_before(self, pos: int) -> None:
-        """Drop the noise of positions below ``pos`` (they are committed)."""
-        for p in [p for p in self._cache if p < pos]:
-            del self._cache[p]
+    def member_gumbels(self, pos: int, group: int) -> np.ndarray:
+        """(width,) float64: G_t(g, .) for t = ``pos``, g = ``group``."""
+        return gumbels([b"race:%d:%d:%d" % (self.seed, pos, group)], self.width)[0]
+
+
+def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int]) -> list[int]:
+    """The race's token for each row of ``scaled`` (R, V): logits over the temperature
+    (float32, contiguous), -inf where top-k or top-p removed a token; row r races with
+    ``noises[r]`` at sequence position ``positions[r]``. All rows in one set of array
+    operations."""
+    scaled = scaled.contiguous()
+    R, V = scaled.shape
+    groups, width = noises[0].groups, noises[0].width
+    if groups * width > V:
+        scaled = torch.nn.functional.pad(scaled, (0, groups * width - V), value=float("-inf"))
+    # each group's mass, up to a factor per row (which no argmax within the row sees)
+    top = scaled.amax(-1, keepdim=True)
+    mass = (scaled - top).exp_().view(R, groups, width).sum(-1).numpy()
+    streams = [n.group_stream(t) for n, t in zip(noises, positions)]
+    with np.errstate(divide="ignore"):  # a group top-k/top-p emptied: log 0 = -inf
+        chosen = (np.log(mass, dtype=np.float64) + gumbels(streams, groups)).argmax(-1).tolist()
+    members = scaled.numpy().reshape(R, groups, width)[np.arange(R), chosen].astype(np.float64)
+    noise = gumbels([b"%s:%d" % (s, c) for s, c in zip(streams, chosen)], width)
+    within = (members + noise).argmax(-1).tolist()
+    return [c * width + i for c, i in zip(chosen, within)]

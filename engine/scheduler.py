@@ -1,27 +1,41 @@
 """How many draft tokens each sequence may carry in a packed pass: goodput, measured.
 
-The model is ``drafters.goodput``'s, the one ``auto`` uses: a packed pass over R rows
-costs ``a + b * R`` seconds (``PassFit``: fitted over the last passes), drafting one sequence costs its drafter's own
-time ``t`` (measured per method), and each sequence's acceptance is a Beta belief
-(``Acceptance``) over its recent steps. With the whole batch's goodput ``G`` (tokens per
-second of the pass as planned), a sequence takes k draft tokens where each token's
-expected gain per second of extra pass time beats ``G`` and the whole draft pays for its
-drafting time (``goodput.marginal_length``); else it does not draft this step. ``G``
+The model is ``drafters.goodput``'s, the one ``auto`` uses: a packed pass costs
+``a + b * rows + d * drafting sequences + p * prompt rows`` seconds (``PassFit``: fitted
+over the last passes; a drafted block's keys and values are read apart from the one-row
+blocks', so each drafting sequence costs ``d`` besides its rows), drafting one sequence
+costs its drafter's own time ``t`` (measured per method), and each sequence's acceptance
+is a Beta belief (``Acceptance``) over its recent steps. With the whole batch's goodput
+``G`` (tokens per second of the iteration as planned: the pass, and what each sequence's
+step costs besides, measured), a sequence takes k draft tokens where
+each token's expected gain per second of extra pass time beats ``G`` and the whole draft
+pays for ``t + d`` (``goodput.marginal_length``); else it does not draft this step. ``G``
 itself depends on the choices, so the plan iterates to a fixed point (a few rounds).
 
 At batch 1, ``G`` is low (one token per ``a + b``) and drafts run long; at batch 32 the
 pass already yields 32 tokens, so only drafts accepted most of the time still pay and the
-others stop. A sequence that stopped drafting probes with one token now and then, so a
-text that turns repetitive is noticed.
+others stop.
+
+A sequence's belief starts from what this server's sequences of the same method and
+sampling regime accepted lately (``state_for``; Beta(1, 1) on a fresh server), at the
+strength of a few steps: a wide prior alone never pays for a drafted block under load, so
+a request would not draft the loop every earlier request drafted. Where nobody of a kind
+drafts, one of them probes with one token now and then, so a text that turns repetitive is
+noticed and the pooled belief stays informed -- less often the more a probe costs in the
+batch's tokens (``probe_after``): a probe is a drafted block like any other.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from nodraft.drafters.goodput import Acceptance, PassFit, marginal_length
+from nodraft.drafters.goodput import (SERVER_DECAY, Acceptance, PassCoefficients, PassFit,
+                                      marginal_length, regime)
 
-PROBE_EVERY = 16  # steps without a draft before a one-token probe
+PROBE_EVERY = 16  # steps without a draft before a one-token probe, at the least
+PROBE_SHARE = 0.02  # what probing may cost a sequence, in the batch's tokens per step
+PRIOR_STRENGTH = 4.0  # pseudo-counts of the pooled belief a new sequence starts from
 
 
 @dataclass
@@ -29,6 +43,7 @@ class SeqDraftState(Acceptance):
     """One sequence's acceptance belief, and how long it has gone without a draft."""
 
     idle: int = 0  # consecutive steps without a draft
+    key: tuple = ()  # (method, sampling regime): the pool it informs and starts from
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         if drafted_depth <= 0:
@@ -38,37 +53,88 @@ class SeqDraftState(Acceptance):
         super().observe(drafted_depth, accepted)
 
 
+def probe_after(G: float, co: PassCoefficients) -> int:
+    """Steps without a draft before a one-token probe: at least ``PROBE_EVERY``, and
+    enough that the probe's cost -- ``G`` tokens per second of the drafted block it adds
+    (``co.drafted + co.b``) -- is at most ``PROBE_SHARE`` tokens per step waited."""
+    return max(PROBE_EVERY, math.ceil(G * (co.drafted + co.b) / PROBE_SHARE))
+
+
 class DraftScheduler:
     def __init__(self):
         self.timer = PassFit()
         self.propose_seconds: dict[str, float] = {}  # EMA per drafter method
+        self.pooled: dict[tuple, Acceptance] = {}  # per (method, regime), decayed slowly
+        self.pooled_idle: dict[tuple, int] = {}  # sequence-steps of a kind without a draft
+        self.overhead: float | None = None  # seconds per sequence-step besides the pass
 
     def observe_propose(self, method: str, seconds: float) -> None:
         old = self.propose_seconds.get(method)
         self.propose_seconds[method] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def limits(self, states: list[tuple[SeqDraftState, str, int]], fixed_rows: int) -> list[int]:
-        """Draft budgets for sequences given (state, method, own max) each; ``fixed_rows``
-        are the pass's rows besides drafts (one per stepping sequence, prefill chunks)."""
-        a, b = self.timer.coefficients
+    def observe_overhead(self, seconds: float) -> None:
+        """A packed iteration's seconds per stepping sequence outside its pass and its
+        drafters (planning, verification, commits, events): a token accepted from a draft
+        saves its sequence a step of these too, so the batch's goodput counts them."""
+        self.overhead = seconds if self.overhead is None else 0.9 * self.overhead + 0.1 * seconds
+
+    def state_for(self, method: str, temperature: float) -> SeqDraftState:
+        """A new sequence's belief: its kind's pooled one, scaled to ``PRIOR_STRENGTH``
+        pseudo-counts (its mean kept), or Beta(1, 1) if none of its kind has drafted."""
+        key = (method, regime(temperature))
+        pooled = self.pooled.get(key)
+        if pooled is None:
+            return SeqDraftState(key=key)
+        w = PRIOR_STRENGTH / (pooled.accepted + pooled.rejected)
+        return SeqDraftState(pooled.accepted * w, pooled.rejected * w, key=key)
+
+    def observe(self, state: SeqDraftState, drafted_depth: int, accepted: int) -> None:
+        """One step of a sequence: its belief, and its kind's pooled one if it drafted."""
+        state.observe(drafted_depth, accepted)
+        if drafted_depth > 0 and state.key:
+            self.pooled.setdefault(state.key, Acceptance()).observe(
+                drafted_depth, accepted, SERVER_DECAY)
+
+    def limits(self, states: list[tuple[SeqDraftState, str, int]], rows: int,
+               prefill_rows: int = 0) -> list[int]:
+        """Draft budgets for sequences given (state, method, own max) each; ``rows`` are
+        the pass's decode rows besides drafts (one per stepping sequence), ``prefill_rows``
+        its prompt rows."""
+        co = self.timer.coefficients
         base_tokens = float(len(states))
-        base_time = a + b * fixed_rows
+        base_time = (co.a + co.b * rows + co.prefill * prefill_rows
+                     + (self.overhead or 0.0) * len(states))
         G = base_tokens / base_time
         ks = [0] * len(states)
         expected = [st.tokens(max(0, kmax)) for st, _, kmax in states]  # fixed during the plan
         for _ in range(4):
             gain, cost = 0.0, 0.0
             for j, (st, method, kmax) in enumerate(states):
-                t_draft = self.propose_seconds.get(method, 0.0)
-                k = marginal_length(expected[j], b, t_draft, G)
-                if k == 0 and kmax > 0 and st.idle >= PROBE_EVERY:
-                    k = 1
+                fixed = self.propose_seconds.get(method, 0.0) + co.drafted
+                k = marginal_length(expected[j], co.b, fixed, G)
                 ks[j] = k
                 if k:
                     gain += expected[j][k] - 1.0
-                    cost += t_draft + k * b
+                    cost += fixed + k * co.b
             G_new = (base_tokens + gain) / (base_time + cost)
             if abs(G_new - G) < 1e-3 * G:
                 break
             G = G_new
+        self._probe(states, ks, probe_after(G, co))
         return ks
+
+    def _probe(self, states: list[tuple[SeqDraftState, str, int]], ks: list[int],
+               wait: int) -> None:
+        """One-token probes: a sequence probes once its own idle steps, or those of every
+        sequence of its kind since the kind last drafted, reach ``wait``."""
+        drafting = {st.key for (st, _, _), k in zip(states, ks) if k}
+        for key in drafting:
+            self.pooled_idle[key] = 0
+        for j, (st, _, kmax) in enumerate(states):
+            if ks[j] or kmax <= 0 or st.key in drafting:
+                continue
+            idle = self.pooled_idle.get(st.key, 0) + 1
+            if idle >= wait or st.idle >= wait:
+                ks[j], idle = 1, 0
+                drafting.add(st.key)
+            self.pooled_idle[st.key] = idle

@@ -30,7 +30,7 @@ from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.packed import Segment
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import PositionNoise, derive_seed
-from nodraft.engine.verify import SamplingParams, accept, target_probs
+from nodraft.engine.verify import SamplingParams, accept, race_rows
 
 PREFILL_CHUNK = 256
 
@@ -104,12 +104,12 @@ class Sequence:
         self._reused = 0.0  # early exit's last pass: the share of layers it reused
 
     def _draw(self, logits: Tensor, pos: int) -> int:
-        return self.noise.draw(target_probs(logits, self.sampling), pos)
+        return race_rows(logits[None], self.sampling, self.noise, [pos])[0]
 
-    def _accept(self, logits: Tensor, draft: Draft, argmax: list[int] | None = None
+    def _accept(self, logits: Tensor, draft: Draft, targets: list[int] | None = None
                 ) -> tuple[list[int], int]:
         return accept(logits, draft, self.sampling, self.generator, self.noise, len(self.tokens),
-                      argmax)
+                      targets)
 
     @property
     def done(self) -> bool:
@@ -250,8 +250,6 @@ class Sequence:
             emitted = emitted[:hit]
             finish = "stop"
         self.tokens.extend(accepted + [bonus])
-        if self.noise is not None:
-            self.noise.forget_before(len(self.tokens))
         self.generated += len(emitted)
         if finish is None and self.generated >= self.max_tokens:
             finish = "length"
@@ -340,11 +338,11 @@ class Sequence:
         return Segment(self.slot, self.cache.lengths[self.slot], ids, pos, mask)
 
     def finish_step(self, draft: Draft, logits: Tensor, hidden: Tensor,
-                    argmax: list[int] | None = None) -> StepResult:
+                    targets: list[int] | None = None) -> StepResult:
         """Accept and commit after a packed pass computed the segment's logits;
-        ``argmax``: its rows' argmaxes, if the pass took them (greedy)."""
+        ``targets``: its rows' own tokens (``verify.accept``), if the pass took them."""
         logits, hidden = self.split(logits, hidden, len(draft))
-        path, bonus = self._accept(logits, draft, argmax)
+        path, bonus = self._accept(logits, draft, targets)
         return self.commit(draft, path, bonus, hidden, logits)
 
     def _drafter_error(self, method: str) -> None:

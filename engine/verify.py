@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from nodraft.drafters.base import Draft
-from nodraft.engine.sampling import PositionNoise
+from nodraft.engine.sampling import PositionNoise, race
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (logits / 1e-300 overflow)
@@ -53,28 +53,61 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def filters(self) -> bool:
+        """Whether top-k or top-p may remove tokens (each row's kept set costs a ranking)."""
+        return bool(self.top_k) or self.top_p < 1.0
+
 
 NUCLEUS_TOPK = (256, 1024)  # top-k sizes tried for top-p's nucleus before a full sort
+# seeded verification races every row of a block up to this size in one call (each row
+# costs little batched); bigger trees, and blocks whose rows top-k or top-p filter, race
+# the rows the walk visits, one per emitted token
+RACE_ROWS = 16
 
 
 def target_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
-    """The target's sampling distribution, rows (..., V): temperature, then top-k, then top-p.
+    """The target's sampling distribution, rows (..., V): temperature, then top-k, then top-p
+    (the tokens ``kept`` keeps, renormalised)."""
+    return scaled_logits(logits, sp).softmax(-1)
+
+
+def kept(scaled: Tensor, sp: SamplingParams) -> Tensor | None:
+    """Bool (..., V): the tokens top-k, then top-p, keep of the rows ``scaled`` (logits
+    over the temperature, float32); None when both keep every token.
 
     Top-p keeps the smallest prefix of the tokens, most likely first, whose probabilities
     reach ``top_p`` (never less than the most likely token). That prefix is looked for in
     the ``NUCLEUS_TOPK`` most likely tokens first (``topk``, cheaper than ranking the whole
     vocabulary): where it ends inside them in every row, the rest of the ranking cannot
     matter, and the result is the full sort's."""
-    logits = logits.float() / sp.temperature
-    if sp.top_k and sp.top_k < logits.shape[-1]:
-        kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
+    keep = None
+    if sp.top_k and sp.top_k < scaled.shape[-1]:
+        kth = scaled.topk(sp.top_k, dim=-1).values[..., -1:]
+        keep = scaled >= kth
+        scaled = scaled.masked_fill(~keep, float("-inf"))
     if sp.top_p < 1.0:
-        keep = _nucleus(probs, sp.top_p)
-        probs = probs.masked_fill(~keep, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        nucleus = _nucleus(scaled.softmax(-1), sp.top_p)
+        keep = nucleus if keep is None else keep & nucleus
+    return keep
+
+
+def scaled_logits(logits: Tensor, sp: SamplingParams) -> Tensor:
+    """Rows (..., V) of logits over the temperature (float32), -inf where top-k or top-p
+    removed the token: what seeded sampling's race reads (``engine.sampling.race``)."""
+    scaled = logits.float() / sp.temperature
+    if sp.filters:
+        keep = kept(scaled, sp)
+        if keep is not None:
+            scaled = scaled.masked_fill(~keep, float("-inf"))
+    return scaled
+
+
+def race_rows(logits: Tensor, sp: SamplingParams, noise: PositionNoise,
+              positions: list[int]) -> list[int]:
+    """Seeded sampling's token at each row of ``logits`` (R, V), row r predicting sequence
+    position ``positions[r]``, in one call."""
+    return race(scaled_logits(logits, sp), [noise] * len(positions), positions)
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
@@ -111,25 +144,33 @@ def _sample(p: Tensor, gen: torch.Generator | None) -> int:
 
 def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
            gen: torch.Generator | None = None, noise: PositionNoise | None = None,
-           pos: int = 0, argmax: list[int] | None = None) -> tuple[list[int], int]:
+           pos: int = 0, targets: list[int] | None = None) -> tuple[list[int], int]:
     """(accepted node indices along the path, bonus token) for one verification block.
 
     ``noise``: seeded sampling's per-position noise; row 0 predicts sequence position
-    ``pos`` and a node at depth d position ``pos + d``. ``argmax``: each row's argmax,
-    when the caller has them already (a packed pass takes them for all its rows at once);
-    greedy verification reads only these."""
+    ``pos`` and a node at depth d position ``pos + d``. ``targets``: each row's own token
+    -- greedy, its argmax; seeded, its race (``race_rows``) -- when the caller has them
+    already (a packed pass takes them for all its rows at once); the walk then reads only
+    these."""
     if sp.greedy and logits.shape[0] == 1:  # no draft (plain decoding): the argmax
-        return [], argmax[0] if argmax is not None else int(logits[0].argmax())
+        return [], targets[0] if targets is not None else int(logits[0].argmax())
     tokens = draft.tokens.tolist()
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []
     row = 0
     if sp.greedy or noise is not None:  # walk to the child that is the target's own token
-        if sp.greedy:
-            target = (argmax if argmax is not None else logits.argmax(-1).tolist()).__getitem__
-        else:  # rows are visited one per emitted token: their distributions only
+        if targets is None and sp.greedy:
+            targets = logits.argmax(-1).tolist()
+        elif targets is None and (not tokens or len(tokens) < RACE_ROWS and not sp.filters):
+            # every row's race in one call (with top-k or top-p, each row's kept set costs a
+            # ranking: then only the rows the walk visits)
             depth = [0, *draft.depths()] if tokens else [0]
-            target = lambda r: noise.draw(target_probs(logits[r], sp), pos + depth[r])  # noqa: E731
+            targets = race_rows(logits, sp, noise, [pos + d for d in depth])
+        if targets is not None:
+            target = targets.__getitem__
+        else:  # rows are visited one per emitted token, their races only
+            depth = [0, *draft.depths()]
+            target = lambda r: race_rows(logits[r:r + 1], sp, noise, [pos + depth[r]])[0]  # noqa: E731
         while True:
             want = target(row)
             nxt = next((c for c in children[row] if tokens[c] == want), None)

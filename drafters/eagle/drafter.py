@@ -109,8 +109,8 @@ def _load(env: DrafterEnv, path: Path) -> LoadedHead:
 class EagleState:
     """One sequence's draft KV cache and the features not yet in it."""
 
-    k: Tensor  # (H, capacity, D)
-    v: Tensor
+    k: Tensor | None  # (H, capacity, D); None until the first draft (``Eagle._cache``)
+    v: Tensor | None
     rows: int = 0  # committed rows: row t holds (token_{t+1}, f_t)
     pending: list[Tensor] = field(default_factory=list)  # pre-norm hidden rows from [rows, ...)
     pending_rows: int = 0
@@ -160,10 +160,22 @@ class Eagle(DrafterBase):
         return EagleState(k, torch.zeros_like(k))
 
     def _state(self, ctx: DraftContext) -> EagleState:
+        """The sequence's state; its draft KV cache is made at the first draft (``_cache``):
+        ``observe`` runs every step, also for a sequence that ``auto`` never drafts with
+        EAGLE, and only queues features."""
         st = ctx.state.get("eagle")
         if st is None:
-            st = ctx.state["eagle"] = self._new_state(ctx.cache.max_len)
+            st = ctx.state["eagle"] = EagleState(None, None)
         return st
+
+    def _cache(self, ctx: DraftContext, st: EagleState) -> None:
+        """The draft KV cache, made once per sequence, unfilled: a row is read only after
+        the catch-up or a tree level has written it."""
+        if st.k is None:
+            c = self.loaded.model.config
+            cap = ctx.cache.max_len + self.params.depth * self.params.top_k
+            st.k = torch.empty(c.n_heads, cap, c.head_dim, dtype=self.loaded.w_draft_t.dtype)
+            st.v = torch.empty_like(st.k)
 
     def _ingest(self, ctx: DraftContext, st: EagleState) -> None:
         """Queue the features ``ctx.last_hidden`` holds that the cache lacks (it covers the
@@ -249,6 +261,7 @@ class Eagle(DrafterBase):
         if n == 0 or budget < 1:
             return Draft.empty()  # a one-token prompt: no feature yet for the current token
         st = self._state(ctx)
+        self._cache(ctx, st)
         self._ingest(ctx, st)
         depth = min(p.depth, budget)
         inv_t = 1.0 / ctx.temperature if ctx.temperature >= 0.05 else 1.0

@@ -1,4 +1,5 @@
-"""The in-process load benchmark runs end to end and reports every (streams, method)."""
+"""The in-process load benchmark runs end to end and reports every (streams, method,
+temperature)."""
 
 import json
 
@@ -6,14 +7,15 @@ from benchmarks import engine_load
 from nodraft.drafters.suffix import SuffixDecoding
 
 
-def test_engine_load_reports_each_concurrency_and_method(tmp_path, capsys):
+def test_engine_load_reports_each_concurrency_method_and_temperature(tmp_path, capsys):
     close = SuffixDecoding.close
     out = tmp_path / "load.json"
     engine_load.main(["--concurrency", "1,2", "--requests-per-stream", "1", "--max-tokens", "4",
-                      "--rounds", "1", "--no-response-store", "--out", str(out)])
+                      "--rounds", "1", "--sampling", "0,0.8", "--seed", "3",
+                      "--no-response-store", "--out", str(out)])
     assert SuffixDecoding.close is close  # the switch is undone
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["concurrency"], r["method"]) for r in rows] == [
-        (1, "none"), (1, "auto"), (2, "none"), (2, "auto")]
+    assert [(r["concurrency"], r["temperature"], r["method"]) for r in rows] == [
+        (c, t, m) for c in (1, 2) for t in (0.0, 0.8) for m in ("none", "auto")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert "| 2 | auto |" in capsys.readouterr().out
+    assert "| 2 | 0.8 | auto |" in capsys.readouterr().out

@@ -232,3 +232,20 @@ def test_a_failed_build_leaves_the_engine_serving_eager():
                                                    if e.kind == "step") == 5
     finally:
         engine.stop()
+
+
+def test_a_load_that_breaks_after_the_build_leaves_the_engine_serving_eager(monkeypatch):
+    """Whatever fails while the loaded graphs are run once (here: the warm-up itself), the
+    engine says so and serves eager -- never "warming" for ever."""
+    from nodraft.drafters.registry import Registry
+    from nodraft.engine.core import Engine
+
+    model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
+
+    def broken(*args, **kwargs):
+        raise ValueError("a graph that would not run")
+    monkeypatch.setattr(model.compiled, "warm_up", broken)
+    engine.warm_up(load=lambda: None).join(timeout=60)
+    assert not engine.compiled_ready and "would not run" in engine.compiled_error
+    assert model.compiled is None and not engine._warming

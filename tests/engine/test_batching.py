@@ -8,7 +8,8 @@ from nodraft.micro.model import KVCache
 from nodraft.micro.packed import Segment, _offsets, _packed_attention_plan, forward_packed
 from nodraft.engine.core import Engine, GenerationRequest
 from nodraft.drafters.goodput import PassFit
-from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
+from nodraft.engine.scheduler import (PRIOR_STRENGTH, PROBE_EVERY, DraftScheduler, SeqDraftState,
+                                     probe_after)
 from nodraft.engine.sequence import tree_attention_mask
 from nodraft.engine.verify import SamplingParams
 from tests.conftest import TINY, tiny_model
@@ -68,7 +69,7 @@ def test_a_packed_pass_equals_each_sequence_alone(slots):
 class DraftEverything(DraftScheduler):
     """Every sequence drafts its full budget every pass (exercises packed drafts)."""
 
-    def limits(self, states, fixed_rows):
+    def limits(self, states, rows, prefill_rows=0):
         return [kmax for _, _, kmax in states]
 
 
@@ -136,31 +137,104 @@ def test_the_pass_timer_fits_a_line():
     t = PassFit()
     for rows in range(1, 40):
         t.observe(rows, 0.002 + 0.0001 * rows)
-    a, b = t.coefficients
-    assert a == pytest.approx(0.002, rel=1e-6) and b == pytest.approx(0.0001, rel=1e-6)
+    a, b, drafted, prefill = t.coefficients
+    assert a == pytest.approx(0.002, rel=1e-2) and b == pytest.approx(0.0001, rel=1e-2)
+    # never seen varying: their priors
+    assert (drafted, prefill) == pytest.approx((t.prior.drafted, t.prior.prefill), rel=1e-2)
+
+
+def test_the_pass_timer_prices_drafting_sequences_and_prompt_rows_apart():
+    t = PassFit()
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        rows, drafted, prefill = (int(x) for x in torch.randint(0, 40, (3,), generator=gen))
+        drafted = min(drafted, rows) // 4
+        t.observe(rows, 0.001 + 8e-5 * rows + 4e-4 * drafted + 3e-5 * prefill,
+                  drafted=drafted, prefill=prefill)
+    co = t.coefficients
+    assert co == pytest.approx((0.001, 8e-5, 4e-4, 3e-5), rel=2e-2)
+
+
+def scheduler_timed(drafted_cost: float) -> DraftScheduler:
+    s = DraftScheduler()
+    for rows in range(1, 64):
+        for d in (0, 1, 3):
+            s.timer.observe(rows, 0.001 + 0.00005 * rows + drafted_cost * d, drafted=d)
+    return s
 
 
 def test_drafting_shrinks_then_stops_as_the_batch_grows():
-    s = DraftScheduler()
-    for rows in range(1, 64):
-        s.timer.observe(rows, 0.001 + 0.00005 * rows)
+    s = scheduler_timed(1e-5)
     s.observe_propose("prompt_lookup", 0.0)
     mid = SeqDraftState(accepted=6, rejected=4)  # alpha 0.6
     one = s.limits([(mid, "prompt_lookup", 16)], 1)[0]
     eight = s.limits([(mid, "prompt_lookup", 16)] * 8, 8)
     many = s.limits([(mid, "prompt_lookup", 16)] * 32, 32)
     assert one > eight[0] > many[0] == 0
-    sure = SeqDraftState(accepted=95, rejected=5)  # alpha 0.95 still pays at 32
+    sure = SeqDraftState(accepted=190, rejected=2)  # alpha 0.99 still pays at 32
     assert s.limits([(sure, "prompt_lookup", 16)] + [(mid, "prompt_lookup", 16)] * 31, 32)[0] > 0
     # a slow drafter must repay its own time
     s.observe_propose("slow", 0.01)
     assert s.limits([(mid, "slow", 16)], 1)[0] == 0
 
 
+def test_a_drafted_blocks_own_cost_is_repaid_too():
+    """The same belief drafts where a drafting sequence costs little beside its rows, and
+    not where reading its block apart costs a pass's worth."""
+    mid = SeqDraftState(accepted=6, rejected=4)
+    assert scheduler_timed(1e-5).limits([(mid, "prompt_lookup", 16)] * 8, 8)[0] > 0
+    assert scheduler_timed(2e-3).limits([(mid, "prompt_lookup", 16)] * 8, 8)[0] == 0
+
+
 def test_a_sequence_that_stopped_drafting_probes_again():
-    st = SeqDraftState(accepted=1, rejected=9)
+    """Less often the more a probe costs: at 32 streams a probe's drafted block costs the
+    batch more tokens than at 2."""
     s = DraftScheduler()
-    assert s.limits([(st, "x", 8)] * 32, 32)[0] == 0
-    for _ in range(16):
-        st.observe(0, 0)
-    assert s.limits([(st, "x", 8)] * 32, 32)[0] == 1
+    co = s.timer.coefficients
+    for n, rows in ((2, 2), (32, 32)):
+        G = n / (co.a + co.b * rows)
+        wait = probe_after(G, co)
+        assert wait >= PROBE_EVERY
+        st = SeqDraftState(accepted=1, rejected=9)
+        assert s.limits([(st, "x", 8)] * n, rows)[0] == 0
+        for _ in range(wait):
+            st.observe(0, 0)
+        assert s.limits([(st, "x", 8)] * n, rows)[0] == 1
+    assert probe_after(32 / (co.a + co.b * 32), co) > probe_after(2 / (co.a + co.b * 2), co)
+
+
+def test_a_kind_that_stopped_drafting_probes_as_a_pool():
+    """Short requests never wait long enough to probe alone; their kind probes as a whole,
+    about once per ``probe_after`` sequence-steps without a draft."""
+    s = DraftScheduler()
+    co = s.timer.coefficients
+    n = 32
+    wait = probe_after(n / (co.a + co.b * n), co)
+    probes = 0
+    for _ in range(10 * wait // n):
+        states = [(s.state_for("x", 0.8), "x", 8) for _ in range(n)]  # fresh every pass
+        for st, _, _ in states:
+            st.accepted, st.rejected = 1.0, 9.0
+        probes += sum(s.limits(states, n))
+    assert 8 <= probes <= 12
+
+
+def test_a_new_sequence_starts_from_what_its_kind_accepted():
+    s = DraftScheduler()
+    fresh = s.state_for("prompt_lookup", 0.0)
+    assert (fresh.accepted, fresh.rejected) == (1.0, 1.0)
+    for _ in range(50):  # greedy prompt-lookup sequences that accept nearly everything
+        st = s.state_for("prompt_lookup", 0.0)
+        s.observe(st, 8, 8)
+        s.observe(st, 8, 7)
+    learned = s.state_for("prompt_lookup", 0.0)
+    assert learned.alpha > 0.85
+    assert learned.accepted + learned.rejected == pytest.approx(PRIOR_STRENGTH)
+    # another sampling regime, another method: nothing learned there
+    assert s.state_for("prompt_lookup", 0.8).alpha == 0.5
+    assert s.state_for("suffix", 0.0).alpha == 0.5
+    # and it pays under load where the wide prior does not
+    s2 = scheduler_timed(4e-4)
+    s2.observe_propose("prompt_lookup", 0.0)
+    assert s2.limits([(fresh, "prompt_lookup", 16)] * 8, 8)[0] == 0
+    assert s2.limits([(learned, "prompt_lookup", 16)] * 8, 8)[0] > 0

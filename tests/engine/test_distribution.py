@@ -57,8 +57,8 @@ def exact_joint(sp: SamplingParams) -> np.ndarray:
         joint = np.zeros((8, 8))
         for a in range(8):
             p2 = target_probs(MODEL(torch.tensor([PROMPT + [a]]))[0, -1], sp)
-            joint[a] = (p1[a] * p2).numpy()
-    return joint
+            joint[a] = (p1[a].double() * p2.double()).numpy()
+    return joint / joint.sum()  # float32 probabilities sum to 1 only to ~1e-7
 
 
 def sample_joint(sp_args: dict, method=None, params=None, drafter_cls=None,

@@ -4,11 +4,13 @@ the same as plain sampling with that seed (engine.sampling)."""
 
 import pytest
 import torch
+import numpy as np
+from scipy.stats import chisquare, gumbel_r, kstest
 
 from nodraft.drafters.registry import Registry
 from nodraft.engine.core import Engine, GenerationRequest
-from nodraft.engine.sampling import PositionNoise, derive_seed
-from nodraft.engine.verify import SamplingParams
+from nodraft.engine.sampling import PositionNoise, derive_seed, gumbels, race
+from nodraft.engine.verify import SamplingParams, race_rows, scaled_logits, target_probs
 from nodraft.micro.checkpoint import load_model, load_tokenizer
 from tests.engine.helpers import REGISTRY, generate, run_all
 
@@ -44,13 +46,69 @@ def prompts():
 
 
 def test_the_noise_is_a_function_of_seed_and_position():
-    a, b = PositionNoise(5, 64), PositionNoise(5, 64)
-    b.exponentials(9)  # the order positions are visited in does not matter
-    assert torch.equal(a.exponentials(3), b.exponentials(3))
-    assert not torch.equal(a.exponentials(3), a.exponentials(4))
-    assert not torch.equal(a.exponentials(3), PositionNoise(6, 64).exponentials(3))
-    assert (a.exponentials(3) > 0).all()
+    a, b = PositionNoise(5, 4096), PositionNoise(5, 4096)
+    assert (a.groups, a.width) == (64, 64)
+    b.group_gumbels(9), b.member_gumbels(9, 3)  # the order asked in does not matter
+    assert np.array_equal(a.group_gumbels(3), b.group_gumbels(3))
+    assert np.array_equal(a.member_gumbels(9, 3), b.member_gumbels(9, 3))
+    for t in range(1, 20):
+        assert not np.array_equal(a.group_gumbels(t - 1), a.group_gumbels(t))
+        assert not np.array_equal(a.member_gumbels(t - 1, 0), a.member_gumbels(t, 0))
+    assert not np.array_equal(a.member_gumbels(3, 0), a.member_gumbels(3, 1))
+    assert not np.array_equal(a.group_gumbels(3), PositionNoise(6, 4096).group_gumbels(3))
+    # a batch's rows draw what each would alone
+    batch = gumbels([a.group_stream(3), PositionNoise(6, 4096).group_stream(3),
+                     a.group_stream(4)], 64)
+    assert np.array_equal(batch[0], a.group_gumbels(3))
+    assert np.array_equal(batch[2], a.group_gumbels(4))
     assert derive_seed(5, 0) != derive_seed(5, 1) != derive_seed(6, 0)
+
+
+def test_the_noise_is_gumbel():
+    """H and G are standard Gumbel, -log E with E ~ Exp(1) (the races are exact only then)."""
+    n = PositionNoise(1, 4096)
+    h = np.concatenate([n.group_gumbels(t) for t in range(64)])
+    g = np.concatenate([n.member_gumbels(t, t % 7) for t in range(64)])
+    assert kstest(h, gumbel_r.cdf).pvalue > 1e-3
+    assert kstest(g, gumbel_r.cdf).pvalue > 1e-3
+    # and independent: neighbouring entries, positions and groups uncorrelated
+    for x, y in [(h[:-1], h[1:]), (g[:-1], g[1:]), (h, g)]:
+        assert abs(np.corrcoef(x, y)[0, 1]) < 4 / np.sqrt(len(x))
+
+
+@pytest.mark.parametrize("vocab,sp", [
+    (50, SamplingParams(temperature=1.0)),  # 8 groups of 7, the last one short
+    (64, SamplingParams(temperature=0.7, top_k=20, top_p=0.9)),
+])
+def test_the_race_draws_the_target_distribution(vocab, sp):
+    """The two-level race's token over many seeds follows target_probs, filters included:
+    nothing outside what they keep, and chi-square agreement over what they do."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen) * 2
+    p = target_probs(logits, sp).double().numpy()
+    draws = 12000
+    counts = np.bincount([race_rows(logits[None], sp, PositionNoise(s, vocab), [7])[0]
+                          for s in range(draws)], minlength=vocab)
+    assert counts[p == 0].sum() == 0
+    keep = p * draws >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(p[keep], p[~keep].sum()) * draws
+    assert chisquare(obs[exp > 0], exp[exp > 0] * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_a_batched_race_is_each_rows_own():
+    """The packed pass races all rows of all seeded sequences in one call (temperatures and
+    filters per row): each row's token is the one its race alone gives."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 64, generator=gen) * 3
+    noise = [PositionNoise(s, 64) for s in range(12)]
+    sps = [SamplingParams(temperature=(0.7, 1.0, 1.3)[r % 3], top_p=(1.0, 0.9)[r % 2],
+                          top_k=(0, 5, 0, 0)[r % 4], seed=r) for r in range(12)]
+    alone = [race_rows(logits[r:r + 1], sps[r], noise[r], [r + 20])[0] for r in range(12)]
+    scaled = torch.cat([scaled_logits(logits[r:r + 1], sps[r]) for r in range(12)])
+    assert race(scaled, noise, [r + 20 for r in range(12)]) == alone
+    for r in range(12):  # and every pick is a token the filters kept
+        assert bool(target_probs(logits[r], sps[r])[alone[r]] > 0)
 
 
 @pytest.mark.parametrize("name", MODELS)
