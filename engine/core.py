@@ -54,7 +54,7 @@ from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import race
-from nodraft.engine.verify import RACE_ROWS, SamplingParams, kept
+from nodraft.engine.verify import SamplingParams, kept, races_whole
 
 log = logging.getLogger("nodraft.engine")
 
@@ -534,8 +534,9 @@ class Engine:
             t0 = time.perf_counter()
             draft = seq.propose(k)  # k = 0: the drafter is not consulted this pass
             if k > 0:
-                drafting_s += time.perf_counter() - t0
-                self.scheduler.observe_propose(h.request.method, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                drafting_s += seconds
+                self.scheduler.observe_propose(h.request.method, seconds)
             try:
                 segments.append(seq.verify_segment(draft))
             except Exception as e:
@@ -623,8 +624,7 @@ def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
             continue
         if h.request.sampling.greedy:
             greedy.append(j)
-        elif h.sequence.noise is not None and (
-                not len(draft) or len(draft) < RACE_ROWS and not h.request.sampling.filters):
+        elif h.sequence.noise is not None and races_whole(len(draft), h.request.sampling):
             seeded.append(j)
     out: list[list[int] | None] = [None] * len(jobs)
     if greedy:

@@ -93,7 +93,12 @@ class PositionNoise:
 
     def member_gumbels(self, pos: int, group: int) -> np.ndarray:
         """(width,) float64: G_t(g, .) for t = ``pos``, g = ``group``."""
-        return gumbels([b"race:%d:%d:%d" % (self.seed, pos, group)], self.width)[0]
+        return gumbels([member_stream(self.group_stream(pos), group)], self.width)[0]
+
+
+def member_stream(group_stream: bytes, group: int) -> bytes:
+    """The name of G_t(g, .)'s stream, from H_t's."""
+    return b"%s:%d" % (group_stream, group)
 
 
 def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int]) -> list[int]:
@@ -113,6 +118,6 @@ def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int]) -> l
     with np.errstate(divide="ignore"):  # a group top-k/top-p emptied: log 0 = -inf
         chosen = (np.log(mass, dtype=np.float64) + gumbels(streams, groups)).argmax(-1).tolist()
     members = scaled.numpy().reshape(R, groups, width)[np.arange(R), chosen].astype(np.float64)
-    noise = gumbels([b"%s:%d" % (s, c) for s, c in zip(streams, chosen)], width)
+    noise = gumbels([member_stream(s, c) for s, c in zip(streams, chosen)], width)
     within = (members + noise).argmax(-1).tolist()
     return [c * width + i for c, i in zip(chosen, within)]

@@ -66,6 +66,12 @@ NUCLEUS_TOPK = (256, 1024)  # top-k sizes tried for top-p's nucleus before a ful
 RACE_ROWS = 16
 
 
+def races_whole(n_draft: int, sp: SamplingParams) -> bool:
+    """Whether seeded verification races every row of a block of ``n_draft`` nodes at once
+    (``RACE_ROWS``) rather than the rows its walk visits."""
+    return not n_draft or n_draft < RACE_ROWS and not sp.filters
+
+
 def target_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
     """The target's sampling distribution, rows (..., V): temperature, then top-k, then top-p
     (the tokens ``kept`` keeps, renormalised)."""
@@ -161,9 +167,7 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
     if sp.greedy or noise is not None:  # walk to the child that is the target's own token
         if targets is None and sp.greedy:
             targets = logits.argmax(-1).tolist()
-        elif targets is None and (not tokens or len(tokens) < RACE_ROWS and not sp.filters):
-            # every row's race in one call (with top-k or top-p, each row's kept set costs a
-            # ranking: then only the rows the walk visits)
+        elif targets is None and races_whole(len(tokens), sp):  # every row's race in one call
             depth = [0, *draft.depths()] if tokens else [0]
             targets = race_rows(logits, sp, noise, [pos + d for d in depth])
         if targets is not None:

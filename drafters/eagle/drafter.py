@@ -153,11 +153,16 @@ class Eagle(DrafterBase):
         self._penalties: dict[tuple, Tensor] = {}
 
     # -- the draft KV cache -------------------------------------------------------------
-    def _new_state(self, max_len: int) -> EagleState:
+    def _kv(self, max_len: int, make=torch.empty) -> tuple[Tensor, Tensor]:
+        """A draft KV cache (keys, values) for a target cache of ``max_len`` rows."""
         c = self.loaded.model.config
         cap = max_len + self.params.depth * self.params.top_k
-        k = torch.zeros(c.n_heads, cap, c.head_dim, dtype=self.loaded.w_draft_t.dtype)
-        return EagleState(k, torch.zeros_like(k))
+        shape = (c.n_heads, cap, c.head_dim)
+        dtype = self.loaded.w_draft_t.dtype
+        return make(shape, dtype=dtype), make(shape, dtype=dtype)
+
+    def _new_state(self, max_len: int) -> EagleState:
+        return EagleState(*self._kv(max_len, torch.zeros))
 
     def _state(self, ctx: DraftContext) -> EagleState:
         """The sequence's state; its draft KV cache is made at the first draft (``_cache``):
@@ -172,10 +177,7 @@ class Eagle(DrafterBase):
         """The draft KV cache, made once per sequence, unfilled: a row is read only after
         the catch-up or a tree level has written it."""
         if st.k is None:
-            c = self.loaded.model.config
-            cap = ctx.cache.max_len + self.params.depth * self.params.top_k
-            st.k = torch.empty(c.n_heads, cap, c.head_dim, dtype=self.loaded.w_draft_t.dtype)
-            st.v = torch.empty_like(st.k)
+            st.k, st.v = self._kv(ctx.cache.max_len)
 
     def _ingest(self, ctx: DraftContext, st: EagleState) -> None:
         """Queue the features ``ctx.last_hidden`` holds that the cache lacks (it covers the
