@@ -25,6 +25,7 @@ SLOW = {"method": "slow", "delay": 0.02}
 HEALTH_BOUND = 0.2  # s: /health answers within this under attack
 GAP_BOUND = 0.3  # s: a running stream's largest gap between chunks under attack
 REFUSAL_BOUND = 0.3  # s: the 99th percentile of a burst's 429s
+POLL_GAP = 0.5  # s: the longest stretch of an attack without a /health request sent
 REPEATING = "for i in range(10):\n    print(i)\n" * 4  # a stream that does not end early
 
 
@@ -39,11 +40,15 @@ def idle(live) -> bool:
             and live.service.admission.in_flight == 0)
 
 
-async def poll_health(client: httpx.AsyncClient, until: asyncio.Event) -> list[float]:
-    """/health's latency, asked every 20 ms until ``until`` is set."""
+async def poll_health(client: httpx.AsyncClient, until: asyncio.Event,
+                      sent: list[float] | None = None) -> list[float]:
+    """/health's latency, asked every 20 ms until ``until`` is set; each request's send time
+    is appended to ``sent`` when given."""
     latencies = []
     while not until.is_set():
         t = time.monotonic()
+        if sent is not None:
+            sent.append(t)
         r = await client.get("/health")
         latencies.append(time.monotonic() - t)
         assert r.status_code == 200
@@ -97,9 +102,10 @@ def test_long_prompts_do_not_stall_the_event_loop(live):
                             return  # the attack is over: close, the engine aborts it
 
             last_attack = [math.inf]
+            sent: list[float] = []
             streamer = asyncio.create_task(stream())
             await asyncio.wait_for(started.wait(), 30)
-            poller = asyncio.create_task(poll_health(client, done))
+            poller = asyncio.create_task(poll_health(client, done, sent))
             first = time.monotonic()
             replies = []
             for _ in range(2):
@@ -110,9 +116,9 @@ def test_long_prompts_do_not_stall_the_event_loop(live):
             done.set()
             latencies = await poller
             await asyncio.wait_for(streamer, 30)
-            return first, last_attack[0], replies, latencies, arrivals
+            return first, last_attack[0], replies, latencies, sent, arrivals
 
-    first, last, replies, latencies, arrivals = asyncio.run(attack())
+    first, last, replies, latencies, sent, arrivals = asyncio.run(attack())
     tokenised = 0
     for i, r in enumerate(replies):
         err = r.json()["error"]
@@ -126,7 +132,9 @@ def test_long_prompts_do_not_stall_the_event_loop(live):
             assert "tokens" in err["message"] and "bytes" not in err["message"]
             tokenised += 1
     assert tokenised >= 8, "the near-limit prompts must reach the tokenizer"
-    assert len(latencies) >= 5, latencies  # polled throughout the attack
+    # polled throughout the attack (however long it took): no stretch of it without a request
+    edges = [first, *sent, last]
+    assert len(sent) >= 2 and max(b - a for a, b in zip(edges, edges[1:])) < POLL_GAP, edges
     assert max(latencies) < HEALTH_BOUND, sorted(latencies)[-5:]
     during = [t for t in arrivals if first - 0.5 <= t]
     assert arrivals[0] < first and arrivals[-1] > last, "the stream must span the attack"
