@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
-                                  close_drafter)
+                                  close_drafter, has_hook)
 from nodraft.drafters.registry import Registry
 from nodraft.drafters.ngrams import request_index
 from nodraft.drafters import costs
@@ -122,7 +122,7 @@ class Auto(DrafterBase):
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
-        registry = Registry(plugins=False)
+        registry = _CANDIDATES
         self.drafters: dict[str, object] = {}
         for name in (c.strip() for c in params.candidates.split(",") if c.strip()):
             sub_env = DrafterEnv(env.model_name, env.model, env.shared.setdefault(name, {}),
@@ -134,6 +134,9 @@ class Auto(DrafterBase):
                 if name in TRAINED:  # no trained weights for this model: not a candidate
                     continue
                 raise
+        # the candidates that keep per-step state (EAGLE's features); the others' indexes
+        # catch up on their next propose, so a step auto does not draft costs them nothing
+        self.observers = [n for n, d in self.drafters.items() if has_hook(d, "observe")]
         self.cheap = [n for n in CHEAP if n in self.drafters]
         self.trained = [n for n in TRAINED if n in self.drafters]
         self.env = env
@@ -275,8 +278,8 @@ class Auto(DrafterBase):
                 self._observe(key, n, n)
         self.proposals = {}
         self.step += 1
-        for name, drafter in self.drafters.items():  # every drafter keeps its state current
-            drafter.observe(self._ctx(ctx, name), accepted)
+        for name in self.observers:  # every drafter keeps its state current
+            self.drafters[name].observe(self._ctx(ctx, name), accepted)
         self.last = None
 
     def close(self, ctx: DraftContext) -> None:
@@ -285,3 +288,4 @@ class Auto(DrafterBase):
 
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")
+_CANDIDATES = Registry(plugins=False)  # the built-ins auto builds its candidates from

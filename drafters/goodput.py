@@ -75,6 +75,15 @@ class Acceptance:
             out.append(out[-1] + m)
         return out
 
+    def mean_tokens(self, n: int) -> list[float]:
+        """1 + alpha + ... + alpha**k at the belief's mean, for k = 0..n: ``tokens``
+        without the credit a wide belief gives long drafts."""
+        alpha, out, m = self.alpha, [1.0], 1.0
+        for _ in range(n):
+            m *= alpha
+            out.append(out[-1] + m)
+        return out
+
     def at_mean(self, k: int) -> float:
         """1 + alpha + ... + alpha**k at the belief's mean (no credit for its width): the
         value of a draft whose belief only drafting with it can inform."""
@@ -112,12 +121,16 @@ def marginal_length(tokens: list[float], b: float, draft_seconds: float, G: floa
 
 class PassCoefficients(NamedTuple):
     """A packed pass's seconds, ``a + b * rows + drafted * sequences drafting + prefill *
-    prompt rows``."""
+    prompt rows + draft * draft tokens``."""
 
     a: float  # the pass itself
-    b: float  # per decode row: a stepping sequence's current token, a draft node
+    b: float  # per stepping sequence: its block's current token
     drafted: float  # per sequence whose block carries a draft (its KV read apart)
     prefill: float  # per prompt row of a prefill chunk
+    draft: float  # per draft token (node) of a drafted block
+
+
+FLOORS = (1e-5, 1e-6, 0.0, 0.0, 1e-6)  # the least each PassCoefficients may be, seconds
 
 
 class PassFit:
@@ -129,24 +142,30 @@ class PassFit:
 
     Rows of a drafted block cost more than one-row blocks: a compiled packed pass reads
     a drafted block's keys and values apart from the one-row blocks' (``micro.compiled``),
-    a fixed cost per drafting sequence that grows with its context -- so a draft is
-    priced at ``drafted + k * b``, not ``k * b`` alone."""
+    a fixed cost per drafting sequence that grows with its context, and its rows attend
+    padded to the longest drafted block -- so a draft of k tokens is priced at
+    ``drafted + k * draft``, each coefficient fitted on its own. (With one coefficient for
+    every decode row, a full batch's passes, ~32 rows each, fitted a per-row cost near 0:
+    drafts looked free, and a greedy batch of 32 ran 1.6x the tokens per pass in the same
+    time, docs/LOG.md 2026-12-03.)"""
 
-    PRIOR = PassCoefficients(1.5e-3, 8e-5, 3e-4, 4e-5)
-    SCALE = (1.0, 32.0, 4.0, 32.0)  # a typical pass's regressors: the prior's pseudo-pass
+    PRIOR = PassCoefficients(1.5e-3, 8e-5, 3e-4, 4e-5, 8e-5)
+    SCALE = (1.0, 32.0, 4.0, 32.0, 16.0)  # a typical pass's regressors: the prior's pseudo-pass
     PRIOR_PASSES = 0.01
 
     def __init__(self, prior: PassCoefficients | None = None, window: int = 256):
         self.prior = prior or self.PRIOR
-        self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, int, int, int, float]] = deque(maxlen=window)
         self._fit: PassCoefficients | None = None
         self._fitted_at = -1
         self._seen = 0
 
-    def observe(self, rows: int, seconds: float, drafted: int = 0, prefill: int = 0) -> None:
-        """One pass: its decode ``rows``, the sequences among them ``drafted``, its
-        ``prefill`` (prompt) rows, and the seconds it took."""
-        self.samples.append((rows, drafted, prefill, seconds))
+    def observe(self, rows: int, seconds: float, drafted: int = 0, prefill: int = 0,
+                draft: int = 0) -> None:
+        """One pass: its stepping sequences (``rows``, one current token each), those among
+        them ``drafted``, its ``prefill`` (prompt) rows, its ``draft`` tokens, and the
+        seconds it took."""
+        self.samples.append((rows, drafted, prefill, draft, seconds))
         self._seen += 1
 
     @property
@@ -160,12 +179,27 @@ class PassFit:
 
     def _solve(self) -> PassCoefficients:
         data = np.array(self.samples, dtype=np.float64)
-        x = np.column_stack([np.ones(len(data)), data[:, :3]])
+        x = np.column_stack([np.ones(len(data)), data[:, :4]])
         weight = np.sqrt(self.PRIOR_PASSES) * np.array(self.SCALE)
         x = np.vstack([x, np.diag(weight)])
-        y = np.concatenate([data[:, 3], weight * np.array(self.prior)])
-        a, b, drafted, prefill = np.linalg.lstsq(x, y, rcond=None)[0].tolist()
-        return PassCoefficients(max(a, 1e-5), max(b, 1e-6), max(drafted, 0.0), max(prefill, 0.0))
+        y = np.concatenate([data[:, 4], weight * np.array(self.prior)])
+        # least squares with every coefficient at least its floor: one that falls below is
+        # held there and the others refitted without it (clamping after an unconstrained
+        # fit kept, with a negative per-row cost clamped to ~0, the pass's own cost that
+        # offset it: a = 27 ms for passes of 5, and drafts looked free)
+        coef = np.array(FLOORS)
+        free = list(range(len(FLOORS)))
+        while free:
+            fixed = [i for i in range(len(FLOORS)) if i not in free]
+            rest = y - x[:, fixed] @ coef[fixed]
+            coef[free] = np.linalg.lstsq(x[:, free], rest, rcond=None)[0]
+            low = [i for i in free if coef[i] < FLOORS[i]]
+            if not low:
+                break
+            for i in low:
+                coef[i] = FLOORS[i]
+                free.remove(i)
+        return PassCoefficients(*coef.tolist())
 
 
 def regime(temperature: float) -> str:

@@ -304,9 +304,6 @@ class Medusa(DrafterBase):
             parents = None  # a chain: verified with the plain causal mask
         return Draft(tokens, parents, cost=depth * self.cost_per_head)
 
-    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
-        pass
-
 
 # -- untrained heads for tests ----------------------------------------------------------------
 def write_untrained(model: Micro, model_name: str, directory: Path, num_heads: int = 4,

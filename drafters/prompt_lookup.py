@@ -71,5 +71,3 @@ class PromptLookup(DrafterBase):
         draft, n = self.find(ctx.tokens, request_index(ctx, self.params.ngram_max).ends, budget)
         return Draft(torch.tensor(draft, dtype=torch.long), match_len=n)
 
-    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
-        pass  # the index catches up on the next propose

@@ -38,12 +38,15 @@ class Registry:
     def __init__(self, builtin: dict[str, str] | None = None, plugins: bool = True):
         self._targets = dict(BUILTIN if builtin is None else builtin)
         self._classes: dict[str, type] = {}
+        self._hints: dict[str, dict[str, type]] = {}  # per method: its Params' field types
         if plugins:
             for ep in entry_points(group="nodraft.drafters"):
                 self._targets.setdefault(ep.name, ep.value)
 
     def register(self, name: str, cls_or_target: type | str) -> None:
+        self._hints.pop(name, None)
         if isinstance(cls_or_target, str):
+            self._classes.pop(name, None)  # loaded from the new target when first used
             self._targets[name] = cls_or_target
         else:
             self._classes[name] = cls_or_target
@@ -90,7 +93,9 @@ class Registry:
             raise SpeculationError(
                 f"unknown parameter(s) {unknown} for speculation method {method!r}; "
                 f"it takes: {sorted(known) or 'no parameters'}", f"speculation.{unknown[0]}")
-        hints = get_type_hints(cls.Params)
+        hints = self._hints.get(method)
+        if hints is None:  # evaluating the annotations costs more than the rest of a parse
+            hints = self._hints[method] = get_type_hints(cls.Params)
         for k, v in params.items():
             want = hints[k]
             ok = isinstance(v, want) and not (isinstance(v, bool) and want is not bool)

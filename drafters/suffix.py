@@ -74,9 +74,6 @@ class SuffixDecoding(DrafterBase):
         chain = parents == list(range(-1, len(parents) - 1))
         return Draft(torch.tensor(tokens), None if chain else torch.tensor(parents), match_len=m)
 
-    def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
-        pass  # the request's index catches up on the next propose
-
     def close(self, ctx: DraftContext) -> None:
         """Add the finished response to the global index, evicting the oldest beyond the
         cap."""

@@ -49,7 +49,7 @@ from nodraft.drafters import costs
 from nodraft.drafters.base import Draft, DrafterEnv, has_hook
 from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.packed import Segment, forward_packed
+from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats
@@ -492,8 +492,13 @@ class Engine:
             env.checkpoint_dir = self.checkpoint_dir
         drafter = self.registry.build(req.method, req.params, env)
         stops = frozenset(req.stop_token_ids) | ({self.eot_id} if self.eot_id is not None else set())
+        # a chain drafter never sends more than its num_speculative_tokens: the batch's
+        # plan prices no longer draft for it
+        longest = getattr(req.params, "num_speculative_tokens", None)
         return Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
-                        req.sampling, stops, req.method, logprobs=req.logprobs,
+                        req.sampling, stops, req.method,
+                        max_draft=min(Sequence.max_draft, longest or Sequence.max_draft),
+                        logprobs=req.logprobs,
                         prompt_logprobs=req.prompt_logprobs,
                         pass_cost=self._pass_cost(req.model, slot))
 
@@ -526,8 +531,16 @@ class Engine:
                 if not seq.prefilled:
                     continue  # this pass's prefill rows are spent; next pass
             stepping.append(h)
-        plan = [(h.draft_state, h.request.method, h.sequence.budget()) for h in stepping]
+        # a draft that would put its block, or the pass's drafted blocks, past what the
+        # compiled packed pass takes costs a second, eager pass: never planned
+        longest = packed_draft_cap(1) if model.compiled is not None else Sequence.max_draft
+        plan = [(h.draft_state, h.request.method, min(h.sequence.budget(), longest))
+                for h in stepping]
         limits = self.scheduler.limits(plan, len(stepping), sum(len(s) for s in segments))
+        drafting = sum(1 for k in limits if k)
+        if drafting > 1 and model.compiled is not None:
+            cap = packed_draft_cap(drafting)
+            limits = [min(k, cap) for k in limits]
         drafting_s = 0.0
         for h, k in zip(stepping, limits):
             seq = h.sequence
@@ -554,9 +567,10 @@ class Engine:
             return
         decode = [len(s) for s in segments if s.logits]
         pass_s = time.perf_counter() - t0
-        self.scheduler.timer.observe(sum(decode), pass_s,
+        self.scheduler.timer.observe(len(decode), pass_s,
                                      drafted=sum(1 for n in decode if n > 1),
-                                     prefill=sum(len(s) for s in segments if not s.logits))
+                                     prefill=sum(len(s) for s in segments if not s.logits),
+                                     draft=sum(decode) - len(decode))
         self.passes += 1
         targets = _targets(jobs, outputs)
         for (h, draft), seg, (logits, hidden), ids in zip(jobs, segments, outputs, targets):

@@ -22,6 +22,7 @@ check of its parent's pid between iterations everywhere): no engine outlives its
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -61,7 +62,19 @@ def build_engine(config: EngineConfig) -> Engine:
     if config.compile:
         for model in models.values():
             model.compile(lazy=False, gemm=config.gemm)
+    freeze_heap()
     return engine
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now (torch's and the compiler's modules, the
+    models, loaded graphs: ~400,000 objects) out of the garbage collector's reach
+    (``gc.freeze``, as vLLM's engine does after start-up). Otherwise each full collection
+    walks them all, a pause of ~0.15 s on the engine thread that every running stream
+    feels (docs/BENCHMARKS.md, "Under load"); objects made later are collected as
+    usual. Called once the models are loaded and again once the compiled graphs are."""
+    gc.collect()
+    gc.freeze()
 
 
 def compiled_status(engine: Engine, config: EngineConfig) -> tuple[str, str | None]:
@@ -96,6 +109,7 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
         log.info("nodraft: %d compiled graphs loaded", artifacts.load(engine, folder))
 
     def done(seconds: float) -> None:
+        freeze_heap()
         if engine.compiled_error is None:
             kinds = {m.compiled.gemm_kind for m in engine.models.values() if m.compiled}
             log.info("nodraft: compiled passes ready (%.0f s; products: %s)", seconds,

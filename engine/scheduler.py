@@ -1,15 +1,20 @@
 """How many draft tokens each sequence may carry in a packed pass: goodput, measured.
 
 The model is ``drafters.goodput``'s, the one ``auto`` uses: a packed pass costs
-``a + b * rows + d * drafting sequences + p * prompt rows`` seconds (``PassFit``: fitted
-over the last passes; a drafted block's keys and values are read apart from the one-row
-blocks', so each drafting sequence costs ``d`` besides its rows), drafting one sequence
+``a + b * sequences + c * draft tokens + d * drafting sequences + p * prompt rows`` seconds
+(``PassFit``: fitted over the last passes; a drafted block's keys and values are read apart
+from the one-row blocks', so each drafting sequence costs ``d`` besides its ``c`` a
+token), drafting one sequence
 costs its drafter's own time ``t`` (measured per method), and each sequence's acceptance
-is a Beta belief (``Acceptance``) over its recent steps. With the whole batch's goodput
+is a Beta belief (``Acceptance``) over its recent steps, a draft valued at the belief's
+mean (``Acceptance.mean_tokens``). Unlike a lone request's ``auto``, the plan gives a wide
+belief no credit for its width: exploring is the probes' job (below), and with that credit
+a sampled batch of 32 drafted blocks of up to 16 tokens that kept ~2 each (in process,
+``benchmarks/engine_load.py``, docs/LOG.md 2026-12-03). With the whole batch's goodput
 ``G`` (tokens per second of the iteration as planned: the pass, and what each sequence's
 step costs besides, measured), a sequence takes k draft tokens where
-each token's expected gain per second of extra pass time beats ``G`` and the whole draft
-pays for ``t + d`` (``goodput.marginal_length``); else it does not draft this step. ``G``
+each token's expected gain per second of extra pass time (``c``) beats ``G`` and the whole
+draft pays for ``t + d`` (``goodput.marginal_length``); else it does not draft this step. ``G``
 itself depends on the choices, so the plan iterates to a fixed point (a few rounds).
 
 At batch 1, ``G`` is low (one token per ``a + b``) and drafts run long; at batch 32 the
@@ -28,14 +33,20 @@ batch's tokens (``probe_after``): a probe is a drafted block like any other.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nodraft.drafters.goodput import (SERVER_DECAY, Acceptance, PassCoefficients, PassFit,
                                       marginal_length, regime)
 
 PROBE_EVERY = 16  # steps without a draft before a one-token probe, at the least
-PROBE_SHARE = 0.02  # what probing may cost a sequence, in the batch's tokens per step
+PROBE_SHARE = 0.01  # what probing may cost a sequence, in the batch's tokens per step
 PRIOR_STRENGTH = 4.0  # pseudo-counts of the pooled belief a new sequence starts from
+# the most evidence a greedy sequence's belief holds (accepted tokens + rejections): greedy
+# text enters and leaves loops, and a run of fully accepted long drafts is otherwise worth
+# so many accepted tokens that, once the loop ends, it takes ~10 rejected steps to stop
+# drafting long. Sampled text's acceptance is noisy rather than changing: bounded, a few
+# lucky drafts moved its belief enough to draft more, at a loss (docs/LOG.md, 2026-12-03)
+MAX_EVIDENCE = 8.0
 
 
 @dataclass
@@ -44,6 +55,16 @@ class SeqDraftState(Acceptance):
 
     idle: int = 0  # consecutive steps without a draft
     key: tuple = ()  # (method, sampling regime): the pool it informs and starts from
+    # (accepted, rejected, n, mean_tokens(n)): the last expectation made
+    _expected: tuple = field(default=(), repr=False, compare=False)
+
+    def expected(self, n: int) -> list[float]:
+        """``mean_tokens(n)``, kept until the belief changes: a sequence that does not
+        draft keeps its belief, and the plan asks for it every pass."""
+        memo = self._expected
+        if memo[:3] != (self.accepted, self.rejected, n):
+            memo = self._expected = (self.accepted, self.rejected, n, self.mean_tokens(n))
+        return memo[3]
 
     def observe(self, drafted_depth: int, accepted: int) -> None:
         if drafted_depth <= 0:
@@ -51,13 +72,17 @@ class SeqDraftState(Acceptance):
             return
         self.idle = 0
         super().observe(drafted_depth, accepted)
+        total = self.accepted + self.rejected
+        if total > MAX_EVIDENCE and self.key[1:] == ("greedy",):  # its mean kept
+            self.accepted *= MAX_EVIDENCE / total
+            self.rejected *= MAX_EVIDENCE / total
 
 
 def probe_after(G: float, co: PassCoefficients) -> int:
     """Steps without a draft before a one-token probe: at least ``PROBE_EVERY``, and
     enough that the probe's cost -- ``G`` tokens per second of the drafted block it adds
-    (``co.drafted + co.b``) -- is at most ``PROBE_SHARE`` tokens per step waited."""
-    return max(PROBE_EVERY, math.ceil(G * (co.drafted + co.b) / PROBE_SHARE))
+    (``co.drafted + co.draft``) -- is at most ``PROBE_SHARE`` tokens per step waited."""
+    return max(PROBE_EVERY, math.ceil(G * (co.drafted + co.draft) / PROBE_SHARE))
 
 
 class DraftScheduler:
@@ -106,16 +131,24 @@ class DraftScheduler:
                      + (self.overhead or 0.0) * len(states))
         G = base_tokens / base_time
         ks = [0] * len(states)
-        expected = [st.tokens(max(0, kmax)) for st, _, kmax in states]  # fixed during the plan
+        # each belief's tokens(k) at its mean, fixed during the plan, made only for one whose
+        # first draft token pays at some round's G (E[alpha] / c > G; most do not, and
+        # making the list costs more than the rest of a sequence's plan)
+        expected: list[list[float] | None] = [None] * len(states)
         for _ in range(4):
             gain, cost = 0.0, 0.0
             for j, (st, method, kmax) in enumerate(states):
+                if kmax <= 0 or st.alpha / co.draft <= G:  # marginal_length's first test
+                    ks[j] = 0
+                    continue
+                if expected[j] is None:
+                    expected[j] = st.expected(kmax)
                 fixed = self.propose_seconds.get(method, 0.0) + co.drafted
-                k = marginal_length(expected[j], co.b, fixed, G)
+                k = marginal_length(expected[j], co.draft, fixed, G)
                 ks[j] = k
                 if k:
                     gain += expected[j][k] - 1.0
-                    cost += fixed + k * co.b
+                    cost += fixed + k * co.draft
             G_new = (base_tokens + gain) / (base_time + cost)
             if abs(G_new - G) < 1e-3 * G:
                 break

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.ops import apply_rope
 
@@ -32,6 +33,14 @@ class Segment:
 
 
 NARROW = 16  # segments up to this many rows share one padded attention call
+
+
+def packed_draft_cap(drafting: int) -> int:
+    """The most draft tokens each of ``drafting`` sequences' blocks may carry for a
+    compiled packed pass to take them all: blocks of at most ``NARROW`` rows (the current
+    token and the draft), padded to the longest within ``PACKED_DRAFTED_ROWS``. Past it
+    the blocks run in an eager pass besides (``forward_packed``)."""
+    return min(NARROW, PACKED_DRAFTED_ROWS // max(2, drafting)) - 1
 
 
 def _packed_attention_plan(segments: list[Segment], offsets: list[int], n_rows: int):

@@ -75,6 +75,17 @@ def test_auto_skips_trained_drafters_without_weights_and_rejects_unknown_candida
         reg.parse({"method": "auto", "candidates": "prompt_lookup,early_exit"})
 
 
+def test_auto_keeps_up_only_the_candidates_with_per_step_state():
+    """EAGLE queues the target's features every step; prompt lookup's and suffix
+    decoding's indexes catch up when next asked, and Medusa keeps nothing: a step auto
+    does not draft calls only EAGLE's observe."""
+    reg = Registry()
+    _, p = reg.parse({"method": "auto", "candidates": "prompt_lookup,suffix,eagle,medusa"})
+    auto = Auto(p, drafter_env(MODEL))
+    assert set(auto.drafters) == {"prompt_lookup", "suffix", "eagle", "medusa"}
+    assert auto.observers == ["eagle"]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
     """Greedy: the candidates every step. Sampled: after IDLE_BEFORE_PAUSE steps where

@@ -55,7 +55,7 @@ def test_the_pass_fit_and_the_regimes():
     assert fit.coefficients == fit.prior  # too few passes seen
     for rows in range(1, 20):
         fit.observe(rows, 0.003 + 0.0002 * rows)
-    a, b, _, _ = fit.coefficients
+    a, b, *_ = fit.coefficients
     assert (a, b) == (pytest.approx(0.003, rel=1e-2), pytest.approx(0.0002, rel=1e-2))
     assert [regime(t) for t in (0.0, 0.01, 0.7, 0.85, 0.9, 1.3)] == [
         "greedy", "greedy", "t<=0.85", "t<=0.85", "t>0.85", "t>0.85"]

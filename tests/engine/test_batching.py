@@ -1,15 +1,19 @@
 """Continuous batching: packed passes give every sequence exactly what it gets alone."""
 
+import statistics
+
 import pytest
 import torch
 
 from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache
-from nodraft.micro.packed import Segment, _offsets, _packed_attention_plan, forward_packed
+from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
+from nodraft.micro.packed import (NARROW, Segment, _offsets, _packed_attention_plan,
+                                  forward_packed, packed_draft_cap)
 from nodraft.engine.core import Engine, GenerationRequest
 from nodraft.drafters.goodput import PassFit
-from nodraft.engine.scheduler import (PRIOR_STRENGTH, PROBE_EVERY, DraftScheduler, SeqDraftState,
-                                     probe_after)
+from nodraft.engine.scheduler import (MAX_EVIDENCE, PRIOR_STRENGTH, PROBE_EVERY, DraftScheduler,
+                                     SeqDraftState, probe_after)
 from nodraft.engine.sequence import tree_attention_mask
 from nodraft.engine.verify import SamplingParams
 from tests.conftest import TINY, tiny_model
@@ -137,29 +141,63 @@ def test_the_pass_timer_fits_a_line():
     t = PassFit()
     for rows in range(1, 40):
         t.observe(rows, 0.002 + 0.0001 * rows)
-    a, b, drafted, prefill = t.coefficients
+    a, b, drafted, prefill, draft = t.coefficients
     assert a == pytest.approx(0.002, rel=1e-2) and b == pytest.approx(0.0001, rel=1e-2)
     # never seen varying: their priors
-    assert (drafted, prefill) == pytest.approx((t.prior.drafted, t.prior.prefill), rel=1e-2)
+    assert (drafted, prefill, draft) == pytest.approx(
+        (t.prior.drafted, t.prior.prefill, t.prior.draft), rel=1e-2)
 
 
-def test_the_pass_timer_prices_drafting_sequences_and_prompt_rows_apart():
+def test_the_pass_timer_prices_drafting_sequences_draft_tokens_and_prompt_rows_apart():
     t = PassFit()
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
-        rows, drafted, prefill = (int(x) for x in torch.randint(0, 40, (3,), generator=gen))
+        rows, drafted, prefill, k = (int(x) for x in torch.randint(0, 40, (4,), generator=gen))
         drafted = min(drafted, rows) // 4
-        t.observe(rows, 0.001 + 8e-5 * rows + 4e-4 * drafted + 3e-5 * prefill,
-                  drafted=drafted, prefill=prefill)
+        draft = drafted * (k % 8 + 1) if drafted else 0  # each drafting sequence: 1..8
+        t.observe(rows, 0.001 + 8e-5 * rows + 4e-4 * drafted + 3e-5 * prefill + 1e-4 * draft,
+                  drafted=drafted, prefill=prefill, draft=draft)
     co = t.coefficients
-    assert co == pytest.approx((0.001, 8e-5, 4e-4, 3e-5), rel=2e-2)
+    assert co == pytest.approx((0.001, 8e-5, 4e-4, 3e-5, 1e-4), rel=2e-2)
+
+
+def test_the_pass_timer_never_trades_a_negative_cost_for_a_huge_one():
+    """Passes whose time falls as their sequences grow (the end of a load, noise): an
+    unconstrained fit gives a negative per-sequence cost; held at its floor, the others
+    refitted, the fitted line still predicts a typical pass (clamping it after the fit
+    kept a pass cost 5x the real one)."""
+    t = PassFit()
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(200):
+        rows = 24 + int(torch.randint(0, 9, (1,), generator=gen))
+        t.observe(rows, 0.009 - 0.00015 * rows + 1e-4 * float(torch.rand(1, generator=gen)))
+    co = t.coefficients
+    assert co.b == pytest.approx(1e-6)
+    mean = statistics.mean(s[-1] for s in t.samples)
+    assert co.a + co.b * 28 == pytest.approx(mean, rel=0.1)
+
+
+def test_a_full_batchs_passes_still_price_draft_tokens():
+    """Every pass ~32 sequences (their per-row cost confounded with the pass's own): the
+    draft tokens' cost is still fitted from the passes that carry some, not taken as ~0."""
+    t = PassFit()
+    gen = torch.Generator().manual_seed(1)
+    for i in range(200):
+        rows = 30 + int(torch.randint(0, 3, (1,), generator=gen))
+        drafted = int(torch.randint(0, 4, (1,), generator=gen))
+        draft = drafted * int(torch.randint(1, 16, (1,), generator=gen))
+        t.observe(rows, 0.004 + 5e-4 * drafted + 1e-4 * draft, drafted=drafted, draft=draft)
+    co = t.coefficients
+    assert co.draft == pytest.approx(1e-4, rel=5e-2)
+    assert co.drafted == pytest.approx(5e-4, rel=5e-2)
 
 
 def scheduler_timed(drafted_cost: float) -> DraftScheduler:
     s = DraftScheduler()
     for rows in range(1, 64):
-        for d in (0, 1, 3):
-            s.timer.observe(rows, 0.001 + 0.00005 * rows + drafted_cost * d, drafted=d)
+        for d in (0, 1, 3):  # a row 50 us, a draft token's the same
+            s.timer.observe(rows, 0.001 + 0.00005 * (rows + 4 * d) + drafted_cost * d,
+                            drafted=d, draft=4 * d)
     return s
 
 
@@ -238,3 +276,43 @@ def test_a_new_sequence_starts_from_what_its_kind_accepted():
     s2.observe_propose("prompt_lookup", 0.0)
     assert s2.limits([(fresh, "prompt_lookup", 16)] * 8, 8)[0] == 0
     assert s2.limits([(learned, "prompt_lookup", 16)] * 8, 8)[0] > 0
+
+
+def test_a_greedy_belief_leaves_a_finished_loop_within_a_few_steps():
+    """A greedy sequence that drafted 15 tokens and kept them all for 20 steps, then has
+    every draft rejected: within 4 steps its belief's mean is below 0.7. A sampled one
+    keeps all its evidence (its acceptance is noisy, not changing)."""
+    greedy = SeqDraftState(key=("auto", "greedy"))
+    sampled = SeqDraftState(key=("auto", "t<=0.85"))
+    for st in (greedy, sampled):
+        for _ in range(20):
+            st.observe(15, 15)
+        for _ in range(4):
+            st.observe(15, 0)
+    assert greedy.alpha < 0.7
+    assert greedy.accepted + greedy.rejected <= MAX_EVIDENCE
+    assert sampled.alpha > 0.9
+
+
+def test_the_plan_keeps_every_block_within_the_compiled_packed_pass():
+    """``packed_draft_cap``: n drafting sequences' blocks, padded to the longest, fit the
+    compiled packed pass (``CompiledPasses.packed``'s test), and one more token each would
+    not -- so the plan never sends a pass to the eager path for a draft."""
+    for n in range(1, 33):
+        cap = packed_draft_cap(n)
+        assert cap >= 1
+        assert cap + 1 <= NARROW and max(2, n) * (cap + 1) <= PACKED_DRAFTED_ROWS
+        assert cap + 2 > NARROW or max(2, n) * (cap + 2) > PACKED_DRAFTED_ROWS
+
+
+def test_a_chain_drafters_plan_is_bounded_by_its_own_longest_draft():
+    """The batch plan prices no draft longer than the drafter sends: a sequence of a
+    chain drafter may carry at most its ``num_speculative_tokens``."""
+    model = tiny_model()
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
+    for method, params, want in (("prompt_lookup", {"num_speculative_tokens": 5}, 5),
+                                 ("auto", {}, 16), ("none", {}, 64)):
+        _, p = engine.registry.parse({"method": method, **params})
+        handle = engine.submit(GenerationRequest("tiny", [1, 2, 3], 8, method=method, params=p),
+                               lambda ev: None)
+        assert engine._sequence(handle, 0).max_draft == want

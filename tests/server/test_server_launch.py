@@ -5,6 +5,7 @@ starts overlap; the application takes that engine over, and frees it when it can
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,19 +42,25 @@ def test_the_engine_is_launched_before_torch_is_imported():
 
 def test_an_eager_engine_never_imports_dynamo(serve_checkpoints):
     """Dynamo's import (seconds) is paid by compiled passes only: not by an engine with
-    ``--compile false``, nor by the drafters that share the compiled passes' constants."""
+    ``--compile false``, nor by the drafters that share the compiled passes' constants.
+    And what the built engine holds is out of the collector's reach (``freeze_heap``):
+    a full collection walks only what serving made since."""
     script = textwrap.dedent(f"""
-        import sys
+        import gc, sys
         from nodraft.engine.process import build_engine
         from nodraft.engine.launch import EngineConfig
         engine = build_engine(EngineConfig({str(serve_checkpoints)!r}, compile=False))
         assert "nodraft.drafters.eagle" in sys.modules  # every drafter's module, before serving
         print("dynamo imported:", "torch._dynamo" in sys.modules)
+        print("frozen:", gc.get_freeze_count(), "collected:", len(gc.get_objects()))
     """)
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "dynamo imported: False" in out.stdout
+    frozen, collected = (int(x) for x in re.search(r"frozen: (\d+) collected: (\d+)",
+                                                   out.stdout).groups())
+    assert frozen > 50_000 and collected < frozen // 10, out.stdout
 
 
 def _serve(checkpoints: Path, port: int, tmp: Path, *extra: str) -> subprocess.Popen:
