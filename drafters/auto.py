@@ -122,23 +122,15 @@ class Auto(DrafterBase):
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
-        registry = _CANDIDATES
+        self.names = [c.strip() for c in params.candidates.split(",") if c.strip()]
+        # the candidates are built at the first step that asks them (``candidates``): a
+        # request auto never drafts for -- most of a sampled batch's -- builds none
         self.drafters: dict[str, object] = {}
-        for name in (c.strip() for c in params.candidates.split(",") if c.strip()):
-            sub_env = DrafterEnv(env.model_name, env.model, env.shared.setdefault(name, {}),
-                                 env.checkpoint_dir)
-            try:
-                method, sub_params = registry.parse(name)
-                self.drafters[name] = registry.build(method, sub_params, sub_env)
-            except SpeculationError:
-                if name in TRAINED:  # no trained weights for this model: not a candidate
-                    continue
-                raise
-        # the candidates that keep per-step state (EAGLE's features); the others' indexes
-        # catch up on their next propose, so a step auto does not draft costs them nothing
-        self.observers = [n for n, d in self.drafters.items() if has_hook(d, "observe")]
-        self.cheap = [n for n in CHEAP if n in self.drafters]
-        self.trained = [n for n in TRAINED if n in self.drafters]
+        self.observers: list[str] = []  # candidates with per-step state (EAGLE's features)
+        self.cheap: list[str] = []
+        self.trained: list[str] = []
+        self.states: dict[str, dict] = {}
+        self._built = False
         self.env = env
         self.cost: PassCost | None = None  # measured at the first propose
         # server-wide acceptance per (drafter, match length), and drafting seconds
@@ -146,12 +138,36 @@ class Auto(DrafterBase):
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
         self.est: dict[tuple, Acceptance] = {}  # this request's, same keys
         self.step = 0
-        self.states: dict[str, dict] = {n: {} for n in self.drafters}
         self._subs: dict[str, DraftContext] = {}
         self.last: tuple[tuple, int] | None = None  # (key, depth) of the last draft
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
         self.idle = 0  # consulted steps in a row where nothing paid
         self.pause = 0  # steps left before auto consults its candidates again
+
+    def candidates(self, names: list[str] | None = None) -> dict[str, object]:
+        """The candidate drafters, built now if they were not (``names``: only these); a
+        trained one without weights for this model is left out."""
+        for name in self.names if names is None else names:
+            if name in self.states:  # built, or found untrained
+                continue
+            sub_env = DrafterEnv(self.env.model_name, self.env.model,
+                                 self.env.shared.setdefault(name, {}), self.env.checkpoint_dir)
+            self.states[name] = {}
+            try:
+                method, sub_params = _CANDIDATES.parse(name)
+                self.drafters[name] = _CANDIDATES.build(method, sub_params, sub_env)
+            except SpeculationError:
+                if name in TRAINED:  # no trained weights for this model: not a candidate
+                    continue
+                raise
+        if names is None:
+            self._built = True
+        # EAGLE queues the target's features every step; the others' indexes catch up on
+        # their next propose, so a step auto does not draft costs them nothing
+        self.observers = [n for n, d in self.drafters.items() if has_hook(d, "observe")]
+        self.cheap = [n for n in CHEAP if n in self.drafters]
+        self.trained = [n for n in TRAINED if n in self.drafters]
+        return self.drafters
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
@@ -203,6 +219,8 @@ class Auto(DrafterBase):
             self.pause -= 1
             self.last, self.proposals = None, {}
             return _NONE
+        if not self._built:
+            self.candidates()
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
@@ -283,6 +301,10 @@ class Auto(DrafterBase):
         self.last = None
 
     def close(self, ctx: DraftContext) -> None:
+        # a candidate that keeps what the request generated (suffix decoding's store of
+        # responses) gets it even if auto never asked it
+        self.candidates([n for n in self.names
+                         if n in CHEAP and has_hook(_CANDIDATES.drafter_class(n), "close")])
         for name, drafter in self.drafters.items():
             close_drafter(drafter, self._ctx(ctx, name))
 

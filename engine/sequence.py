@@ -102,6 +102,7 @@ class Sequence:
         self._never_drafts = isinstance(self.drafter, NoDraft)
         self._draft_s = 0.0  # the drafter's wall time since the last pass
         self._reused = 0.0  # early exit's last pass: the share of layers it reused
+        self.asked = False  # the last ``propose`` asked the drafter
 
     def _draw(self, logits: Tensor, pos: int) -> int:
         return race_rows(logits[None], self.sampling, self.noise, [pos])[0]
@@ -143,6 +144,7 @@ class Sequence:
         """The drafter's draft for this step, within ``budget()`` and ``limit`` (the
         scheduler's share under batching; 0 = do not draft this step)."""
         budget = self.budget() if limit is None else min(limit, self.budget())
+        self.asked = budget > 0  # whether the drafter is asked this step
         if budget == 0:  # not consulted: a drafter may name who that pass belongs to
             return dataclasses.replace(Draft.empty(), method=hook(self.drafter, "idle_method"))
         t0 = time.perf_counter()

@@ -70,7 +70,8 @@ def test_auto_skips_trained_drafters_without_weights_and_rejects_unknown_candida
     reg = Registry()
     _, p = reg.parse({"method": "auto", "candidates": "prompt_lookup,eagle,medusa"})
     auto = Auto(p, env)
-    assert list(auto.drafters) == ["prompt_lookup"]
+    assert auto.drafters == {}  # built when first asked
+    assert list(auto.candidates()) == ["prompt_lookup"]
     with pytest.raises(SpeculationError):
         reg.parse({"method": "auto", "candidates": "prompt_lookup,early_exit"})
 
@@ -82,8 +83,27 @@ def test_auto_keeps_up_only_the_candidates_with_per_step_state():
     reg = Registry()
     _, p = reg.parse({"method": "auto", "candidates": "prompt_lookup,suffix,eagle,medusa"})
     auto = Auto(p, drafter_env(MODEL))
-    assert set(auto.drafters) == {"prompt_lookup", "suffix", "eagle", "medusa"}
+    assert set(auto.candidates()) == {"prompt_lookup", "suffix", "eagle", "medusa"}
     assert auto.observers == ["eagle"]
+
+
+def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_response():
+    """Under load most sampled sequences are never asked to draft: they build none of
+    auto's candidates, and suffix decoding's store still gets their response."""
+    shared: dict = {}
+    env = drafter_env(MODEL, shared)
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    prompt = [5, 9, 11, 3, 7, 2] * 4
+    from nodraft.drafters.base import DraftContext
+    from nodraft.micro.model import KVCache
+    cache = KVCache(MODEL.config, 1)
+    ctx = DraftContext(list(prompt) + [4, 4, 4], len(prompt), MODEL, cache, 0)
+    auto = Auto(p, env)
+    auto.observe(ctx, [])
+    assert auto.drafters == {}
+    auto.close(ctx)
+    assert list(auto.drafters) == ["suffix"]
+    assert len(shared["suffix"]["suffix_global"].stored) == 1
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
@@ -102,7 +122,7 @@ def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
         asked.append(len(ctx.tokens))
         return Draft.empty()
 
-    auto.drafters["prompt_lookup"].propose = nothing
+    auto.candidates()["prompt_lookup"].propose = nothing
     out, seq, steps = generate(MODEL, list(range(1, 20)), 60, drafter=auto,
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == 60 and not any(s.draft for s in steps)

@@ -316,3 +316,63 @@ def test_a_chain_drafters_plan_is_bounded_by_its_own_longest_draft():
         handle = engine.submit(GenerationRequest("tiny", [1, 2, 3], 8, method=method, params=p),
                                lambda ev: None)
         assert engine._sequence(handle, 0).max_draft == want
+
+
+def test_a_drafter_asked_that_sends_nothing_counts_as_a_rejection():
+    """Asked for a draft in a packed pass and sending none, a sampled sequence's drafter
+    gained nothing from being asked (and its asking cost time): the plan's belief records
+    a draft rejected at its first token, so a sequence whose drafter finds nothing stops
+    being asked. (Greedy sequences are not: a loop can begin at any step.)"""
+    from nodraft.drafters.base import Draft, DrafterBase
+
+    class Nothing(DrafterBase):
+        name = "nothing"
+
+        def propose(self, ctx, budget):
+            return Draft.empty()
+
+    class Asked(DraftEverything):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[int, int]] = []
+
+        def observe(self, state, drafted_depth, accepted):
+            self.seen.append((drafted_depth, accepted))
+            super().observe(state, drafted_depth, accepted)
+
+    engine = float64_engine(max_running=2)
+    engine.registry.register("nothing", Nothing)
+    engine.scheduler = Asked()
+    reqs = [GenerationRequest("micro", [1 + i, 2, 3, 4], 6, method="nothing",
+                              params=Nothing.Params(),
+                              sampling=SamplingParams(temperature=0.8, seed=i))
+            for i in range(2)]
+    engine.start()
+    try:
+        run_all(engine, reqs)
+    finally:
+        engine.stop()
+    seen = engine.scheduler.seen
+    # every step but each sequence's last (no room left for a draft) asked, and was refused
+    assert seen.count((1, 0)) == len(seen) - 2 and seen.count((0, 0)) == 2
+
+
+def test_a_sampled_kind_probes_less_often_with_a_drafter_slow_to_ask():
+    """A probe's price counts the asking time for a sampled kind; a greedy kind's probe
+    is priced at its drafted block alone (a loop can begin at any step)."""
+    co = PassFit().coefficients
+    G = 32 / (co.a + co.b * 32)
+    assert probe_after(G, co, propose_seconds=1e-3) > probe_after(G, co)
+
+    def probes(temperature: float) -> int:
+        s = DraftScheduler()
+        s.observe_propose("x", 1e-3)
+        n = 0
+        for _ in range(200):
+            states = [(s.state_for("x", temperature), "x", 8) for _ in range(32)]
+            for st, _, _ in states:
+                st.accepted, st.rejected = 1.0, 9.0
+            n += sum(s.limits(states, 32))
+        return n
+
+    assert probes(0.0) > 1.5 * probes(0.8) > 0
