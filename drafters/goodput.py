@@ -144,10 +144,9 @@ class PassFit:
     a drafted block's keys and values apart from the one-row blocks' (``micro.compiled``),
     a fixed cost per drafting sequence that grows with its context, and its rows attend
     padded to the longest drafted block -- so a draft of k tokens is priced at
-    ``drafted + k * draft``, each coefficient fitted on its own. (With one coefficient for
-    every decode row, a full batch's passes, ~32 rows each, fitted a per-row cost near 0:
-    drafts looked free, and a greedy batch of 32 ran 1.6x the tokens per pass in the same
-    time, docs/LOG.md 2026-12-03.)"""
+    ``drafted + k * draft``, each coefficient fitted on its own: with one coefficient for
+    every decode row, a full batch's passes (~32 rows each) fitted a per-row cost near 0,
+    and drafts looked free (docs/LOG.md, 2026-12-03)."""
 
     PRIOR = PassCoefficients(1.5e-3, 8e-5, 3e-4, 4e-5, 8e-5)
     SCALE = (1.0, 32.0, 4.0, 32.0, 16.0)  # a typical pass's regressors: the prior's pseudo-pass

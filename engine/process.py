@@ -68,11 +68,12 @@ def build_engine(config: EngineConfig) -> Engine:
 
 def freeze_heap() -> None:
     """Collect, then move every object alive now (torch's and the compiler's modules, the
-    models, loaded graphs: ~400,000 objects) out of the garbage collector's reach
-    (``gc.freeze``, as vLLM's engine does after start-up). Otherwise each full collection
-    walks them all, a pause of ~0.15 s on the engine thread that every running stream
-    feels (docs/BENCHMARKS.md, "Under load"); objects made later are collected as
-    usual. Called once the models are loaded and again once the compiled graphs are."""
+    models, the loaded graphs) out of the garbage collector's reach (``gc.freeze``, as
+    vLLM's engine does after start-up), so that a full collection -- which stops the
+    engine thread, and every stream with it -- walks only what serving made since
+    (docs/ARCHITECTURE.md, "The engine core is a process of its own"). Objects made later
+    are collected as usual. Called once the models are loaded and again once the compiled
+    graphs are."""
     gc.collect()
     gc.freeze()
 

@@ -9,8 +9,7 @@ costs its drafter's own time ``t`` (measured per method), and each sequence's ac
 is a Beta belief (``Acceptance``) over its recent steps, a draft valued at the belief's
 mean (``Acceptance.mean_tokens``). Unlike a lone request's ``auto``, the plan gives a wide
 belief no credit for its width: exploring is the probes' job (below), and with that credit
-a sampled batch of 32 drafted blocks of up to 16 tokens that kept ~2 each (in process,
-``benchmarks/engine_load.py``, docs/LOG.md 2026-12-03). With the whole batch's goodput
+a sampled batch drafted long blocks that kept a few tokens each (docs/LOG.md, 2026-12-03). With the whole batch's goodput
 ``G`` (tokens per second of the iteration as planned: the pass, and what each sequence's
 step costs besides, measured), a sequence takes k draft tokens where
 each token's expected gain per second of extra pass time (``c``) beats ``G`` and the whole
@@ -165,9 +164,8 @@ class DraftScheduler:
         sequence of its kind since the kind last drafted, reach its kind's
         ``probe_after``. A sampled kind's probe is priced with the time it takes to ask
         its drafter, a greedy kind's without: greedy text on a small model enters loops
-        that repay the asking many times over (in process, 8 greedy streams of ``auto``
-        on a fresh engine: 1.64x ``none`` priced without, 1.15x with), sampled text rarely
-        (32 sampled streams: 0.90x with the asking unpriced)."""
+        that repay the asking many times over, sampled text rarely (docs/LOG.md,
+        2026-12-03)."""
         drafting = {st.key for (st, _, _), k in zip(states, ks) if k}
         for key in drafting:
             self.pooled_idle[key] = 0
