@@ -4,17 +4,17 @@ The model is ``drafters.goodput``'s, the one ``auto`` uses: a packed pass costs
 ``a + b * sequences + c * draft tokens + d * drafting sequences + p * prompt rows`` seconds
 (``PassFit``: fitted over the last passes; a drafted block's keys and values are read apart
 from the one-row blocks', so each drafting sequence costs ``d`` besides its ``c`` a
-token), drafting one sequence
-costs its drafter's own time ``t`` (measured per method), and each sequence's acceptance
-is a Beta belief (``Acceptance``) over its recent steps, a draft valued at the belief's
-mean (``Acceptance.mean_tokens``). Unlike a lone request's ``auto``, the plan gives a wide
-belief no credit for its width: exploring is the probes' job (below), and with that credit
-a sampled batch drafted long blocks that kept a few tokens each (docs/LOG.md, 2026-12-03). With the whole batch's goodput
-``G`` (tokens per second of the iteration as planned: the pass, and what each sequence's
-step costs besides, measured), a sequence takes k draft tokens where
-each token's expected gain per second of extra pass time (``c``) beats ``G`` and the whole
-draft pays for ``t + d`` (``goodput.marginal_length``); else it does not draft this step. ``G``
-itself depends on the choices, so the plan iterates to a fixed point (a few rounds).
+token), drafting one sequence costs its drafter's own time ``t`` (measured per method),
+and each sequence's acceptance is a Beta belief (``Acceptance``) over its recent steps, a
+draft valued at the belief's mean (``Acceptance.mean_tokens``). Unlike a lone request's
+``auto``, the plan gives a wide belief no credit for its width: exploring is the probes'
+job (below), and with that credit a sampled batch drafted long blocks that kept a few
+tokens each (docs/LOG.md, 2026-12-03). With the whole batch's goodput ``G`` (tokens per
+second of the iteration as planned: the pass, and what each sequence's step costs besides,
+measured), a sequence takes k draft tokens where each token's expected gain per second of
+extra pass time (``c``) beats ``G`` and the whole draft pays for ``t + d``
+(``goodput.marginal_length``); else it does not draft this step. ``G`` itself depends on
+the choices, so the plan iterates to a fixed point (a few rounds).
 
 At batch 1, ``G`` is low (one token per ``a + b``) and drafts run long; at batch 32 the
 pass already yields 32 tokens, so only drafts accepted most of the time still pay and the
@@ -26,8 +26,8 @@ strength of a few steps: a wide prior alone never pays for a drafted block under
 a request would not draft the loop every earlier request drafted. Where nobody of a kind
 drafts, one of them probes with one token now and then, so a text that turns repetitive is
 noticed and the pooled belief stays informed -- less often the more a probe costs in the
-batch's tokens (``probe_after``): a probe is a drafted block like any other, and asking
-the drafter for it costs its measured drafting time.
+batch's tokens (``probe_after``): a probe is a drafted block like any other, and for a
+sampled kind asking the drafter for it costs its measured drafting time too.
 """
 
 from __future__ import annotations
