@@ -1,6 +1,7 @@
 """Continuous batching: packed passes give every sequence exactly what it gets alone."""
 
 import statistics
+import threading
 
 import pytest
 import torch
@@ -347,9 +348,20 @@ def test_a_drafter_asked_that_sends_nothing_counts_as_a_rejection():
                               params=Nothing.Params(),
                               sampling=SamplingParams(temperature=0.8, seed=i))
             for i in range(2)]
+    ends: list[str] = []
+    both = threading.Event()
+
+    def ended(ev):
+        if ev.kind in ("finish", "error"):
+            ends.append(ev.kind)
+            if len(ends) == 2:
+                both.set()
+
+    for r in reqs:  # both waiting before the engine starts: every step is a packed one
+        engine.submit(r, ended)
     engine.start()
     try:
-        run_all(engine, reqs)
+        assert both.wait(60) and ends == ["finish", "finish"]
     finally:
         engine.stop()
     seen = engine.scheduler.seen
