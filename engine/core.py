@@ -586,7 +586,7 @@ class Engine:
             # a sampled sequence's drafter asked for a draft that sent none gained nothing
             # from being asked: to the plan, a draft rejected at its first token (greedy
             # text can start a loop at any step: a greedy sequence is not held back)
-            refused = seq.asked and h.draft_state.key[1:] != ("greedy",)
+            refused = seq.asked and not h.draft_state.greedy
             self._report_step(h, result, max(draft.depths(), default=int(refused)))
         if stepping:  # what a step costs a sequence besides the pass and its drafter
             self.scheduler.observe_overhead(

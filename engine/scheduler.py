@@ -58,6 +58,11 @@ class SeqDraftState(Acceptance):
     # (accepted, rejected, n, mean_tokens(n)): the last expectation made
     _expected: tuple = field(default=(), repr=False, compare=False)
 
+    @property
+    def greedy(self) -> bool:
+        """Whether its kind is greedy decoding's (``goodput.regime``)."""
+        return self.key[1:] == ("greedy",)
+
     def expected(self, n: int) -> list[float]:
         """``mean_tokens(n)``, kept until the belief changes: a sequence that does not
         draft keeps its belief, and the plan asks for it every pass."""
@@ -73,7 +78,7 @@ class SeqDraftState(Acceptance):
         self.idle = 0
         super().observe(drafted_depth, accepted)
         total = self.accepted + self.rejected
-        if total > MAX_EVIDENCE and self.key[1:] == ("greedy",):  # its mean kept
+        if total > MAX_EVIDENCE and self.greedy:  # its mean kept
             self.accepted *= MAX_EVIDENCE / total
             self.rejected *= MAX_EVIDENCE / total
 
@@ -174,8 +179,8 @@ class DraftScheduler:
             if ks[j] or kmax <= 0 or st.key in drafting:
                 continue
             wait = waits.get(st.key)
-            if wait is None:  # a greedy kind's probe is priced at its block alone (below)
-                asking = 0.0 if st.key[1:] == ("greedy",) else self.propose_seconds.get(method, 0.0)
+            if wait is None:  # a greedy kind's probe is priced at its block alone
+                asking = 0.0 if st.greedy else self.propose_seconds.get(method, 0.0)
                 wait = waits[st.key] = probe_after(G, co, asking)
             idle = self.pooled_idle.get(st.key, 0) + 1
             if idle >= wait or st.idle >= wait:
