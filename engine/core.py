@@ -522,14 +522,12 @@ class Engine:
         for h in handles:
             seq = h.sequence
             if not seq.prefilled:
-                seg = seq.prefill_segment(budget) if budget > 0 else None
-                if seg is not None:
+                if budget > 0:  # else this pass's prefill rows are spent: the next pass
+                    seg = seq.prefill_segment(budget)
                     budget -= len(seg)
                     segments.append(seg)
                     jobs.append((h, None))
-                    continue
-                if not seq.prefilled:
-                    continue  # this pass's prefill rows are spent; next pass
+                continue
             stepping.append(h)
         # a draft that would put its block, or the pass's drafted blocks, past what the
         # compiled packed pass takes costs a second, eager pass: never planned
@@ -576,8 +574,10 @@ class Engine:
         for (h, draft), seg, (logits, hidden), ids in zip(jobs, segments, outputs, targets):
             seq = h.sequence
             try:
-                if draft is None:
-                    seq.prefill_done(seg, hidden)
+                if draft is None:  # a prompt's chunk; after its last, the first token
+                    result = seq.prefill_done(seg, hidden)
+                    if result is not None:
+                        self._report_step(h, result, 0)
                     continue
                 result = seq.finish_step(draft, logits, hidden, ids)
             except Exception as e:

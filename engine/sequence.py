@@ -1,6 +1,6 @@
 """One sequence's speculative decoding: token ids in, token ids out.
 
-    prefill(prompt[:-1])                      # not a target pass
+    first = sample(target(prompt)[-1])         # the prefill: ONE pass, the first token
     loop:
         draft  = drafter.propose(ctx, budget)  # propose
         logits = target([current, *draft])     # verify: ONE target pass, tree mask if any
@@ -9,9 +9,13 @@
         drafter.observe(ctx, accepted)         # observe
         emit(accepted + [bonus])
 
-The prompt's last token is the first *current token*: it is not prefilled but verified
-with the first draft, so even the first generated token can come from a draft and plain
-decoding makes exactly one target pass per token.
+The prefill caches the whole prompt and the first token comes from the head over its last
+row: plain decoding makes exactly one target pass per token, the prefill included, and
+the first token waits for no second pass. Drafting starts at the second step. ``step``
+prefills in one pass (chunks of ``PREFILL_CHUNK`` for a long prompt); a packed pass takes a
+prompt in chunks beside the other sequences' steps (``prefill_segment``, ``prefill_done``).
+``prefill`` caches all but the prompt's last token instead, which the first ``step`` then
+verifies with a draft: for callers that time decoding apart from the prefill.
 """
 
 from __future__ import annotations
@@ -119,7 +123,9 @@ class Sequence:
     # -- prefill --------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self) -> None:
-        """Cache every prompt token but the last (which becomes the current token)."""
+        """Cache every prompt token but the last, which the first ``step`` then verifies
+        with a draft (``step`` alone prefills the whole prompt and takes the first token
+        from it): for callers that time decoding apart from the prefill."""
         self.cache.reset(self.slot)
         body = self.prompt[:-1]
         states = []
@@ -221,9 +227,11 @@ class Sequence:
         return logits[:k + 1], hidden[:k + 1]
 
     def commit(self, draft: Draft, path: list[int], bonus: int, hidden: Tensor,
-               logits: Tensor | None = None) -> StepResult:
+               logits: Tensor | None = None, features: Tensor | None = None) -> StepResult:
         """Roll the cache back to the accepted path, record the figures, apply stops.
-        ``logits``: the verified rows' (needed for ``logprobs``)."""
+        ``logits``: the verified rows' (needed for ``logprobs``); ``features``: the final
+        hidden rows of every position this step commits, for the drafters
+        (``ctx.last_hidden``; default: the verified rows on the accepted path)."""
         n = self.cache.lengths[self.slot]
         prompt_lp = None
         if self.prompt_logprobs and len(self.tokens) == len(self.prompt):  # the first step
@@ -244,7 +252,10 @@ class Sequence:
         draft_s, self._draft_s = self._draft_s, 0.0
         for s in (self.stats, self._method_stats(method)):
             s.record(len(draft), len(accepted), draft.cost, plain_s, verify_s, draft_s)
-        self.ctx.last_hidden = hidden[:1] if not path else hidden[[0, *(i + 1 for i in path)]]
+        if features is not None:
+            self.ctx.last_hidden = features
+        else:
+            self.ctx.last_hidden = hidden[:1] if not path else hidden[[0, *(i + 1 for i in path)]]
         emitted = accepted + [bonus]
         finish = None
         hit = next((i for i, t in enumerate(emitted) if t in self.stop_ids), None)
@@ -296,7 +307,7 @@ class Sequence:
 
     def step(self) -> StepResult:
         if not self.prefilled:
-            self.prefill()
+            return self._prefill_step()
         draft = self.propose()
         t0 = time.perf_counter()
         logits, hidden = self.verify(draft)
@@ -305,32 +316,53 @@ class Sequence:
         path, bonus = self._accept(logits, draft)
         return self.commit(draft, path, bonus, hidden, logits)
 
+    @torch.inference_mode()
+    def _prefill_step(self) -> StepResult:
+        """The first step: the prompt's rows not yet cached through every layer (chunks of
+        ``PREFILL_CHUNK``), then its first token (``_first_token``)."""
+        if not self._prefill_begun:  # the slot may hold a previous sequence's length
+            self.cache.reset(self.slot)
+            self._states, self._prefill_begun = [], True
+        for s in range(self.cache.lengths[self.slot], len(self.prompt), PREFILL_CHUNK):
+            chunk = torch.tensor(self.prompt[s:s + PREFILL_CHUNK])
+            self._states.append(self.model.prefill_pass(chunk, self.cache, self.slot, s))
+            self.cache.advance(self.slot, chunk.shape[0])
+        return self._first_token()
+
+    def _first_token(self) -> StepResult:
+        """Every prompt row is cached: the head over the last one gives the first token,
+        accepted as a step with no draft. The drafters see every prompt token's features."""
+        hidden, self._states = torch.cat(self._states), []
+        # the last prompt token's row is written; ``commit`` commits it as a step's would be
+        self.cache.set_length(self.slot, len(self.prompt) - 1)
+        self.ctx.last_hidden = hidden  # what the prompt's logprobs are scored from
+        self.prefilled = True
+        with torch.inference_mode():
+            logits = self.model.head(hidden[-1:])
+        draft = dataclasses.replace(Draft.empty(), method=hook(self.drafter, "idle_method"))
+        path, bonus = self._accept(logits, draft)
+        return self.commit(draft, path, bonus, hidden[-1:], logits, features=hidden)
+
     # -- the same, as segments of a packed pass shared with other sequences ---------------
-    def prefill_segment(self, budget: int) -> Segment | None:
-        """The next chunk of the prompt (at most ``budget`` rows) for a packed pass; None
-        when nothing is left to prefill (then the sequence is ready to step)."""
-        if self.prefilled:
-            return None
+    def prefill_segment(self, budget: int) -> Segment:
+        """The next chunk of the prompt (at most ``budget`` rows, at least one) for a
+        packed pass, while the sequence is not ``prefilled``."""
         if not self._prefill_begun:  # the slot may hold a previous sequence's length
             self.cache.reset(self.slot)
             self._states, self._prefill_begun = [], True
         n = self.cache.lengths[self.slot]
-        body = self.prompt[:-1]
-        if n >= len(body):
-            self.ctx.last_hidden = torch.cat(self._states) if self._states else None
-            self.prefilled = True
-            return None
-        end = min(len(body), n + max(1, budget))
-        return Segment(self.slot, n, torch.tensor(body[n:end]), torch.arange(n, end),
+        end = min(len(self.prompt), n + max(1, budget))
+        return Segment(self.slot, n, torch.tensor(self.prompt[n:end]), torch.arange(n, end),
                        logits=False)
 
-    def prefill_done(self, segment: Segment, hidden: Tensor) -> None:
+    def prefill_done(self, segment: Segment, hidden: Tensor) -> StepResult | None:
+        """A chunk's pass is done; after the prompt's last chunk, the first token
+        (``_first_token``), else None."""
         self.cache.advance(self.slot, len(segment))
         self._states.append(hidden)
-        if self.cache.lengths[self.slot] == len(self.prompt) - 1:
-            self.ctx.last_hidden = torch.cat(self._states)
-            self._states = []
-            self.prefilled = True
+        if self.cache.lengths[self.slot] < len(self.prompt):
+            return None
+        return self._first_token()
 
     def verify_segment(self, draft: Draft) -> Segment:
         """The verification block as a segment. Early exit's KV reuse does not apply in a

@@ -365,8 +365,9 @@ def test_a_drafter_asked_that_sends_nothing_counts_as_a_rejection():
     finally:
         engine.stop()
     seen = engine.scheduler.seen
-    # every step but each sequence's last (no room left for a draft) asked, and was refused
-    assert seen.count((1, 0)) == len(seen) - 2 and seen.count((0, 0)) == 2
+    # every step but each sequence's first (the prompt's prefill gives the first token) and
+    # last (no room left for a draft) asked, and was refused
+    assert seen.count((1, 0)) == len(seen) - 4 and seen.count((0, 0)) == 4
 
 
 def test_a_sampled_kind_probes_less_often_with_a_drafter_slow_to_ask():
@@ -388,3 +389,40 @@ def test_a_sampled_kind_probes_less_often_with_a_drafter_slow_to_ask():
         return n
 
     assert probes(0.0) > 1.5 * probes(0.8) > 0
+
+
+def test_a_prompt_half_prefilled_in_packed_passes_finishes_its_prefill_alone():
+    """A long prompt prefilled in chunks beside another sequence, which ends meanwhile,
+    finishes its prefill on the lone path from where the chunks left off, and its first
+    token comes from the pass that ends its prompt: the output is its solo output."""
+    engine = float64_engine(max_running=2)
+    engine.prefill_tokens = 4
+    long_prompt = [(7 * i) % 60 + 1 for i in range(30)]
+    requests = [GenerationRequest("micro", [3, 4], 2), GenerationRequest("micro", long_prompt, 5)]
+    solo = [generate(MODEL, r.prompt, r.max_tokens, dtype=torch.float64)[0] for r in requests]
+    prefilled = []
+    prefill = MODEL.prefill_pass
+
+    def recording(ids, cache, slot, start):
+        prefilled.append((start, ids.shape[0]))
+        return prefill(ids, cache, slot, start)
+
+    MODEL.prefill_pass = recording
+    done = threading.Event()
+    events: list[list] = [[], []]
+    try:
+        for i, r in enumerate(requests):  # both waiting before the engine starts
+            def cb(ev, i=i):
+                events[i].append(ev)
+                if sum(e.kind == "finish" for es in events for e in es) == 2:
+                    done.set()
+            engine.submit(r, cb)
+        engine.start()
+        assert done.wait(60)
+    finally:
+        engine.stop()
+        MODEL.prefill_pass = prefill
+    for es, want in zip(events, solo):
+        assert [t for e in es if e.kind == "step" for t in e.step.tokens] == want
+    # the long prompt's rest, alone, from where the packed chunks had left off
+    assert prefilled and prefilled[-1][0] > 0 and sum(prefilled[-1]) == len(long_prompt)

@@ -98,7 +98,8 @@ def test_a_sequence_teaches_its_prices_with_whole_passes_only():
         with torch.inference_mode():
             while not seq.done:
                 steps.append(seq.step())
-        drafted = [1 + len(r.draft) for r in steps]
+        # the first step is the prompt's prefill, which prices no verification block
+        drafted = [1 + len(r.draft) for r in steps[1:]]
         if whole:  # every pass, by its rows
             assert [rows for rows, _ in seen] == drafted and all(t > 0 for _, t in seen)
         else:  # early exit's passes reuse its draft's lower layers: not a whole pass's cost
@@ -484,3 +485,60 @@ def test_a_lone_prompt_prefills_on_one_thread_unless_it_is_long():
             assert ("prefill", want) in seen and verify[-2:] == [1, 1], seen
     finally:
         engine.stop()
+
+
+def test_the_first_token_comes_from_the_prompts_prefill_pass():
+    """A lone sequence's first step is ONE pass over the whole prompt: the head over its
+    last row gives the first token (the prefill's, no verification pass after it); the
+    drafters then see every prompt token's features, and plain decoding still makes one
+    target pass per token."""
+    model = tiny_model(dtype=torch.float32)
+    calls: list[tuple[str, int]] = []
+    prefill, verify = model.prefill_pass, model.verify_pass
+
+    def counting(kind, fn):
+        def call(ids, *args, **kwargs):
+            calls.append((kind, ids.shape[0]))
+            return fn(ids, *args, **kwargs)
+        return call
+
+    model.prefill_pass = counting("prefill", prefill)
+    model.verify_pass = counting("verify", verify)
+    prompt = [7, 3, 9, 1, 4]
+    with torch.inference_mode():
+        want = int(model(torch.tensor([prompt]))[0, -1].argmax())
+    out, seq, steps = generate(model, prompt, 1)
+    assert out == [want] and calls == [("prefill", 5)]
+    assert seq.stats.target_passes == 1 and seq.cache.lengths[0] == len(prompt)
+    assert seq.ctx.last_hidden.shape[0] == len(prompt)  # every prompt token's features
+    calls.clear()
+    out, seq, _ = generate(model, prompt, 6)
+    assert calls == [("prefill", 5)] + [("verify", 1)] * 5
+    assert seq.stats.target_passes == 6 and out[0] == want
+
+
+def test_prompts_prefilled_in_a_packed_pass_get_their_first_token_from_it():
+    """Two prompts waiting together are prefilled in one packed pass, and the same pass
+    gives each its first token: one-token requests end after one pass."""
+    engine = Engine({"tiny": tiny_model(dtype=torch.float32)}, Registry(), eot_id=None,
+                    max_running=2)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = [generate(engine.models["tiny"], p, 1)[0] for p in prompts]
+    done = threading.Event()
+    events: list[list] = [[], []]
+
+    for i, p in enumerate(prompts):  # both waiting before the engine starts
+        def cb(ev, i=i):
+            events[i].append(ev)
+            if sum(e.kind == "finish" for es in events for e in es) == 2:
+                done.set()
+        engine.submit(GenerationRequest("tiny", p, 1), cb)
+    engine.start()
+    try:
+        assert done.wait(60)
+    finally:
+        engine.stop()
+    assert engine.passes == 1
+    for es, w in zip(events, want):
+        assert [e.step.tokens for e in es if e.kind == "step"] == [w]
+        assert es[-1].stats.target_passes == 1
