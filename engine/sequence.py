@@ -31,7 +31,7 @@ from torch import Tensor
 from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter, hook
 from nodraft.drafters.none import NoDraft
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.packed import Segment
+from nodraft.micro.packed import Segment, head_rows
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import PositionNoise, derive_seed
 from nodraft.engine.verify import SamplingParams, accept, race_rows
@@ -338,7 +338,7 @@ class Sequence:
         self.ctx.last_hidden = hidden  # what the prompt's logprobs are scored from
         self.prefilled = True
         with torch.inference_mode():
-            logits = self.model.head(hidden[-1:])
+            logits = head_rows(self.model, hidden[-1:])
         draft = dataclasses.replace(Draft.empty(), method=hook(self.drafter, "idle_method"))
         path, bonus = self._accept(logits, draft)
         return self.commit(draft, path, bonus, hidden[-1:], logits, features=hidden)

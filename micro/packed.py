@@ -201,6 +201,17 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
     return out
 
 
+def head_rows(model: Micro, h: Tensor) -> Tensor:
+    """The final norm and head over a few rows (T, dim) between passes (a prompt's last
+    row, once its prefill is done). With compiled passes, the product reads the head's
+    (in, out) copy that every compiled pass reads -- in the caches after a pass, where the
+    eager head's weight is not; eager, ``Micro.head``."""
+    compiled = model.compiled
+    if compiled is None:
+        return model.head(h)
+    return torch.mm(model.norm(h), compiled._weights()["head"])
+
+
 def _offsets(segments: list[Segment]) -> list[int]:
     out, o = [], 0
     for s in segments:

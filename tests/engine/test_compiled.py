@@ -291,3 +291,18 @@ def test_packed_passes_match_eager(checkpoint_dir):
             for s in range(4)]
     assert compiled.compiled.packed(wide, cc) is None
     assert compiled.compiled.packed(wide[:3], cc) is not None
+
+
+def test_the_head_between_passes_reads_the_compiled_copy_and_matches(pair):
+    """``head_rows`` (a prompt's first token): the compiled passes' (in, out) head weight
+    when compiled, the eager head otherwise -- the same logits up to float rounding."""
+    from nodraft.micro.packed import head_rows
+
+    eager, compiled = pair
+    h = torch.randn(3, eager.config.dim, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(head_rows(eager, h), eager.head(h))
+        torch.testing.assert_close(head_rows(compiled, h), eager.head(h), rtol=1e-4, atol=1e-4)
+        # the copy the graphs read, not the embedding's (out, in) weight
+        w = compiled.compiled._weights()["head"]
+        assert w.shape == (eager.config.dim, eager.config.vocab_size) and w.is_contiguous()
