@@ -41,6 +41,7 @@ from nodraft.engine.process import build_engine, compiled_status, start_warm_up
 
 START_TIMEOUT = 600.0  # s: loading the checkpoints in the engine process
 STOP_TIMEOUT = 10.0  # s: for the engine process to exit once told to
+EXIT_STATUS_WAIT = 1.0  # s: at most, for a dead engine's exit status (it takes microseconds)
 
 
 class Observer(Protocol):
@@ -219,7 +220,10 @@ class MPClient(EngineClient):
 
     def _engine_exited(self) -> None:
         self.loop.remove_reader(self.process.sentinel)
-        self.process.join(0)
+        # the sentinel is readable once the process has closed its files, a moment before
+        # it can be reaped: wait for that moment (a non-blocking join could find no exit
+        # status yet, and the error would not say how the engine died)
+        self.process.join(EXIT_STATUS_WAIT)
         if self._stopping:
             return
         self.death = f"the engine process exited ({self._exit_reason()})"
