@@ -24,9 +24,23 @@ def test_the_ceiling_divides_expected_tokens_by_a_steps_cost():
 
 
 def test_acceptance_is_counted_per_position_of_the_drafts():
+    """a(1) is the share of drafting steps whose first draft token was accepted, a(2) the
+    share of those whose second was too, ... -- checked against the same greedy decode's
+    own per-position counts (``SpecStats.accepted_by_position``)."""
+    from tests.engine.helpers import generate
+
     model = tiny_model(dtype=torch.float32)
     cache = KVCache(model.config, 2)
-    prompts = {"x": [{"ids": [4, 8, 15, 16, 23, 42] * 3}, {"ids": [5, 6, 7]}]}
-    a, steps = bound.acceptance(model, cache, "tiny", prompts, "greedy", 1, 24, 1)
+    prompt = [4, 8, 15, 16, 23, 42] * 3
+    a, steps = bound.acceptance(model, cache, "tiny", {"x": [{"ids": prompt}]}, "greedy", 1,
+                                24, 1)
     assert len(a) == bound.K and steps > 0
-    assert all(0.0 <= x <= 1.0 for x in a)
+    _, seq, results = generate(model, prompt, 24, "early_exit",
+                               {"exit_layer": 1, "num_speculative_tokens": bound.K})
+    drafting = [r for r in results if r.draft]
+    assert len(drafting) == steps
+    by_position = seq.stats.accepted_by_position + [0] * bound.K
+    for i in range(1, bound.K + 1):  # drafted at i with the i - 1 before it accepted
+        reached = sum(1 for r in drafting if len(r.draft) >= i and r.accepted >= i - 1)
+        want = by_position[i - 1] / reached if reached else 0.0
+        assert a[i - 1] == pytest.approx(want)
