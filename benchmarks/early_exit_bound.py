@@ -40,26 +40,14 @@ from nodraft.clients.bench import REGIMES, SEED0, build_prompts
 from nodraft.drafters import costs
 from nodraft.drafters.base import DrafterEnv
 from nodraft.drafters.registry import Registry
-from nodraft.engine.launch import EngineConfig
-from nodraft.engine.process import build_engine, start_warm_up
 from nodraft.engine.sequence import Sequence
 from nodraft.engine.verify import SamplingParams
-from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_tokenizer
+from nodraft.micro.checkpoint import load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script or imported
+from engine_load import compiled_engine  # noqa: E402
 
 K = 8  # the longest draft considered (and drafted while measuring acceptance)
-
-
-def loaded_engine(model_name: str):
-    """An engine as the engine process builds it, its compiled graphs loaded (built first
-    if this machine has none)."""
-    config = EngineConfig(str(CHECKPOINT_DIR), threads=1)
-    engine = build_engine(config)
-    start_warm_up(engine, config)
-    while not engine.compiled_ready:
-        if engine.compiled_error:
-            raise RuntimeError(engine.compiled_error)
-        time.sleep(0.2)
-    return engine, engine.models[model_name], engine.caches[model_name]
 
 
 def step_costs(model, cache, runs: int = 40, run: int = 20) -> dict[int, float]:
@@ -137,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    engine, model, cache = loaded_engine(args.model)
+    engine = compiled_engine(1)
+    model, cache = engine.models[args.model], engine.caches[args.model]
     L = model.config.n_layers
     table = costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
     V = lambda n: table(n) / table(1)  # noqa: E731

@@ -112,7 +112,7 @@ def measure(args, argv) -> None:
     tok = load_tokenizer()
     model = load_model("micro", CHECKPOINT_DIR)
     if args.compile:
-        model = compiled_micro(args.threads)
+        model = compiled_engine(args.threads).models["micro"]
     prompts = [tok.encode(text) for text in PROMPTS.values()]
     registry = Registry()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -147,9 +147,10 @@ def measure(args, argv) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def compiled_micro(threads: int):
-    """micro as the engine process serves it: the compiled graphs built for this machine,
-    loaded (and built first, in processes of their own, if there are none)."""
+def compiled_engine(threads: int):
+    """An engine as the engine process builds it (not started): the compiled graphs built
+    for this machine, loaded (and built first, in processes of their own, if there are
+    none)."""
     from nodraft.engine.launch import EngineConfig
     from nodraft.engine.process import build_engine, start_warm_up
 
@@ -160,7 +161,7 @@ def compiled_micro(threads: int):
         time.sleep(0.2)
     if engine.compiled_error:
         raise RuntimeError(f"compiled passes failed: {engine.compiled_error}")
-    return engine.models["micro"]
+    return engine
 
 
 if __name__ == "__main__":

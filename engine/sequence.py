@@ -126,16 +126,28 @@ class Sequence:
         """Cache every prompt token but the last, which the first ``step`` then verifies
         with a draft (``step`` alone prefills the whole prompt and takes the first token
         from it): for callers that time decoding apart from the prefill."""
-        self.cache.reset(self.slot)
-        body = self.prompt[:-1]
-        states = []
-        for s in range(0, len(body), PREFILL_CHUNK):
-            chunk = torch.tensor(body[s:s + PREFILL_CHUNK])
-            states.append(self.model.prefill_pass(chunk, self.cache, self.slot, s))
-            self.cache.advance(self.slot, chunk.shape[0])
+        self._prefill_rows(len(self.prompt) - 1)
         # after prefill: every prompt token's but the last (EAGLE builds its cache from them)
-        self.ctx.last_hidden = torch.cat(states) if states else None
+        self.ctx.last_hidden = torch.cat(self._states) if self._states else None
+        self._states = []
         self.prefilled = True
+
+    def _begin_prefill(self) -> None:
+        """At the prompt's first prefill rows: an empty slot (it may hold a previous
+        sequence's length) and no hidden states kept."""
+        if not self._prefill_begun:
+            self.cache.reset(self.slot)
+            self._states, self._prefill_begun = [], True
+
+    def _prefill_rows(self, end: int) -> None:
+        """Cache the prompt's rows from where the slot stands (an empty slot at first) up to
+        ``end``, in passes of at most ``PREFILL_CHUNK`` rows, keeping their final hidden
+        states in ``_states``."""
+        self._begin_prefill()
+        for s in range(self.cache.lengths[self.slot], end, PREFILL_CHUNK):
+            chunk = torch.tensor(self.prompt[s:min(s + PREFILL_CHUNK, end)])
+            self._states.append(self.model.prefill_pass(chunk, self.cache, self.slot, s))
+            self.cache.advance(self.slot, chunk.shape[0])
 
     # -- one step -------------------------------------------------------------------------
     def budget(self) -> int:
@@ -318,15 +330,9 @@ class Sequence:
 
     @torch.inference_mode()
     def _prefill_step(self) -> StepResult:
-        """The first step: the prompt's rows not yet cached through every layer (chunks of
-        ``PREFILL_CHUNK``), then its first token (``_first_token``)."""
-        if not self._prefill_begun:  # the slot may hold a previous sequence's length
-            self.cache.reset(self.slot)
-            self._states, self._prefill_begun = [], True
-        for s in range(self.cache.lengths[self.slot], len(self.prompt), PREFILL_CHUNK):
-            chunk = torch.tensor(self.prompt[s:s + PREFILL_CHUNK])
-            self._states.append(self.model.prefill_pass(chunk, self.cache, self.slot, s))
-            self.cache.advance(self.slot, chunk.shape[0])
+        """The first step: the prompt's rows not yet cached through every layer, then its
+        first token (``_first_token``)."""
+        self._prefill_rows(len(self.prompt))
         return self._first_token()
 
     def _first_token(self) -> StepResult:
@@ -347,9 +353,7 @@ class Sequence:
     def prefill_segment(self, budget: int) -> Segment:
         """The next chunk of the prompt (at most ``budget`` rows, at least one) for a
         packed pass, while the sequence is not ``prefilled``."""
-        if not self._prefill_begun:  # the slot may hold a previous sequence's length
-            self.cache.reset(self.slot)
-            self._states, self._prefill_begun = [], True
+        self._begin_prefill()
         n = self.cache.lengths[self.slot]
         end = min(len(self.prompt), n + max(1, budget))
         return Segment(self.slot, n, torch.tensor(self.prompt[n:end]), torch.arange(n, end),
