@@ -22,8 +22,14 @@ own measured time. The candidates, and the signals each is judged on:
   not sent), so a *sampled* request where nothing has paid for ``IDLE_BEFORE_PAUSE``
   asked steps in a row pauses asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while
   nothing pays: under sampling drafts rarely pay, and asking every step cost more than
-  the drafts gained (docs/LOG.md, 2026-12-02). Greedy requests ask every step: a loop can
-  begin at any.
+  the drafts gained (docs/LOG.md, 2026-12-02). A step *paid* when its draft's tokens
+  were worth more than they cost: plain decoding of the tokens it emitted would have
+  taken longer than its pass (``paid``) -- a draft sent and rejected is not a step that
+  paid, so a request whose drafts keep failing pauses too. Greedy requests ask every
+  step: a loop can begin at any.
+- **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
+  next step asks only that drafter (a loop being copied goes on being copied); the others
+  are asked again at the first step it does not win outright.
 
 ``alpha`` is estimated per drafter, *match length* (prompt lookup's n-gram, suffix
 decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together) and
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -126,6 +133,8 @@ class Auto(DrafterBase):
         # the candidates are built at the first step that asks them (``candidates``): a
         # request auto never drafts for -- most of a sampled batch's -- builds none
         self.drafters: dict[str, object] = {}
+        # trained candidates with weights for this model: (method, params, env) to build them
+        self.trained_params: dict[str, tuple] = {}
         self.observers: list[str] = []  # candidates with per-step state (EAGLE's features)
         self.cheap: list[str] = []
         self.trained: list[str] = []
@@ -139,14 +148,20 @@ class Auto(DrafterBase):
         self.est: dict[tuple, Acceptance] = {}  # this request's, same keys
         self.step = 0
         self._subs: dict[str, DraftContext] = {}
-        self.last: tuple[tuple, int] | None = None  # (key, depth) of the last draft
+        self.last: tuple[tuple, int, int] | None = None  # (key, depth, rows) of the last draft
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
         self.idle = 0  # consulted steps in a row where nothing paid
         self.pause = 0  # steps left before auto consults its candidates again
+        self.winner: str | None = None  # the cheap drafter whose last draft was accepted whole
+        self.reg = "greedy"  # this request's sampling regime
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
-        """The candidate drafters, built now if they were not (``names``: only these); a
-        trained one without weights for this model is left out."""
+        """The candidate drafters built so far, the cheap ones built now if they were not
+        (``names``: only these). A trained one is checked for weights here (one without is
+        left out) and built at the first step auto drafts with it (``_trained``): until
+        then auto reads only its parameters, and a request auto never drafts with it for --
+        most sampled ones -- neither loads its state nor has it observe every step. EAGLE
+        then reads the features of the positions it did not see in one pass."""
         for name in self.names if names is None else names:
             if name in self.states:  # built, or found untrained
                 continue
@@ -154,7 +169,11 @@ class Auto(DrafterBase):
                                  self.env.shared.setdefault(name, {}), self.env.checkpoint_dir)
             self.states[name] = {}
             try:
-                method, sub_params = _CANDIDATES.parse(name)
+                method, sub_params = _parsed(name)
+                if name in TRAINED:
+                    _CANDIDATES.check(method, sub_params, sub_env)  # trained weights present
+                    self.trained_params[name] = (method, sub_params, sub_env)
+                    continue
                 self.drafters[name] = _CANDIDATES.build(method, sub_params, sub_env)
             except SpeculationError:
                 if name in TRAINED:  # no trained weights for this model: not a candidate
@@ -162,12 +181,30 @@ class Auto(DrafterBase):
                 raise
         if names is None:
             self._built = True
-        # EAGLE queues the target's features every step; the others' indexes catch up on
-        # their next propose, so a step auto does not draft costs them nothing
+        self._refresh()
+        return self.drafters
+
+    def _refresh(self) -> None:
+        # EAGLE queues the target's features every step once built; the others' indexes
+        # catch up on their next propose, so a step auto does not draft costs them nothing
         self.observers = [n for n, d in self.drafters.items() if has_hook(d, "observe")]
         self.cheap = [n for n in CHEAP if n in self.drafters]
-        self.trained = [n for n in TRAINED if n in self.drafters]
-        return self.drafters
+        self.trained = [n for n in TRAINED if n in self.trained_params]
+
+    def _trained(self, name: str):
+        """The trained candidate ``name``, built at its first draft; None (and no longer a
+        candidate) if it cannot be built for this model."""
+        drafter = self.drafters.get(name)
+        if drafter is None:
+            method, params, env = self.trained_params[name]
+            try:
+                drafter = self.drafters[name] = _CANDIDATES.build(method, params, env)
+            except SpeculationError:
+                del self.trained_params[name]
+                self._refresh()
+                return None
+            self._refresh()
+        return drafter
 
     # -- helpers --------------------------------------------------------------------------
     def _ctx(self, ctx: DraftContext, name: str) -> DraftContext:
@@ -225,10 +262,12 @@ class Auto(DrafterBase):
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
-        reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
+        reg = self.reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
-        for name in self.cheap:  # not timed: tens of microseconds, spent before any choice
+        winner, self.winner = self.winner, None
+        cheap = self.cheap if winner is None else (winner,)
+        for name in cheap:  # not timed: tens of microseconds, spent before any choice
             draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
             if not len(draft):
                 continue
@@ -245,14 +284,14 @@ class Auto(DrafterBase):
                 g = self._goodput(est.tokens(depth)[depth], len(draft), 0.0)
                 if g > best_g:
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
-        for name in self.trained:
+        for name in self.trained if winner is None else ():
             key = (name, 0, reg)
             est = self._estimate(key)
             # not yet measured on this server: assume a draft step costs one target pass
             # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's 0.7), so it is
             # tried only when that would still pay
             seconds = self.draft_seconds.get(name, self.cost(1))
-            p = self.drafters[name].params  # EAGLE: depth, total_tokens; Medusa: num_heads
+            p = self.trained_params[name][1]  # EAGLE: depth, total_tokens; Medusa: num_heads
             depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
             rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))
             # valued at the belief's mean, without the optimism of a wide belief: unlike a
@@ -260,26 +299,44 @@ class Auto(DrafterBase):
             # trained drafter's belief is only informed by drafting with it, at a full
             # draft step's cost (EAGLE's first also reads the whole prompt into its cache)
             g = self._goodput(est.at_mean(depth), rows, seconds)
-            if g > best_g:
+            if g > best_g and self._trained(name) is not None:
                 draft = self._timed(name, ctx, budget)
                 if len(draft):
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            self.idle += 1
-            if reg != "greedy" and self.idle >= IDLE_BEFORE_PAUSE:
-                self.pause = min(2 ** (self.idle - IDLE_BEFORE_PAUSE), MAX_PAUSE)
+            self._idle()
             return _NONE
-        self.idle = 0
         draft, k = best_draft
         draft = draft.prefix(k, method=best_key[0])
-        self.last = (best_key, max(draft.depths()))
+        self.last = (best_key, max(draft.depths()), len(draft))
         return draft
+
+    def _idle(self) -> None:
+        """A consulted step that did not pay: a sampled request pauses after
+        ``IDLE_BEFORE_PAUSE`` of them in a row, for 1, 2, 4 .. ``MAX_PAUSE`` steps."""
+        self.idle += 1
+        if self.reg != "greedy" and self.idle >= IDLE_BEFORE_PAUSE:
+            self.pause = min(2 ** (self.idle - IDLE_BEFORE_PAUSE), MAX_PAUSE)
+
+    def paid(self, name: str, rows: int, accepted: int) -> bool:
+        """Whether a draft of ``rows`` rows from ``name`` of which ``accepted`` tokens were
+        kept paid: plain decoding's passes for the tokens its step emitted would have
+        taken longer than its pass and its drafting (a trained drafter's measured time)."""
+        spent = self.cost(1 + rows) + (self.draft_seconds.get(name, 0.0) if name in TRAINED
+                                       else 0.0)
+        return (1 + accepted) * self.cost(1) > spent
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         if self.last is not None:
-            key, depth = self.last
+            key, depth, rows = self.last
             self._observe(key, depth, len(accepted))
+            if self.paid(key[0], rows, len(accepted)):
+                self.idle = 0
+            else:
+                self._idle()
+            if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
+                self.winner = key[0]
         # the cheap chains not sent are judged against the tokens the pass did emit, so a
         # drafter auto passed over is still measured (else its estimate would stay at the
         # prior and it would never be picked again)
@@ -311,3 +368,9 @@ class Auto(DrafterBase):
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")
 _CANDIDATES = Registry(plugins=False)  # the built-ins auto builds its candidates from
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(name: str) -> tuple:
+    """A candidate's (method, default parameters): parsed once (``Params`` are frozen)."""
+    return _CANDIDATES.parse(name)

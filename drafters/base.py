@@ -27,9 +27,10 @@ is verified in one pass over [c, def, class, f, A] at positions n, n+1, n+1, n+2
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -54,6 +55,35 @@ class DrafterEnv:
     # where the target's checkpoint lives; trained drafters (Medusa, EAGLE) find their
     # weights beside it as ``<model_name>-<drafter>.safetensors``
     checkpoint_dir: Path = CHECKPOINT_DIR
+
+
+T = TypeVar("T")
+
+
+def loaded_weights(model: Micro, path: Path, tag: str, load: Callable[[], T]) -> T:
+    """A trained drafter's weights for ``model``, loaded by ``load()`` once per model object
+    and weights file, then shared by every request and every server state. Weights are not
+    what a server learns (``DrafterEnv.shared``: ``auto``'s estimates, suffix decoding's
+    store), so a fresh state does not reload them, and ``auto``'s candidates use the very
+    tensors the server's own drafters loaded. ``tag`` names the kind (with anything else the
+    loaded form depends on, such as the dtype); the file's size and modification time are part
+    of the key, so a retrained file is loaded afresh. ``load`` may raise (a missing file is
+    ``load``'s to report); nothing is kept then."""
+    try:
+        st = path.stat()
+    except OSError:
+        return load()
+    key = (tag, str(path), st.st_size, st.st_mtime_ns)
+    per_model = _WEIGHTS.setdefault(model, {})
+    got = per_model.get(key)
+    if got is None:
+        for old in [k for k in per_model if k[:2] == key[:2]]:  # a replaced file's copy
+            del per_model[old]
+        got = per_model[key] = load()
+    return got
+
+
+_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ Files. ``<checkpoint_dir>/<model>-medusa.safetensors`` holds ``weight`` (K, dim,
 ``bias`` (K, dim) in float32 (the shared LM head is not stored; metadata: num_heads, dim,
 target); ``<model>-medusa.json`` is the record: command, minutes, steps, tokens, the
 training settings, and ``heldout`` = {tokens, top_k, accuracy: per head the cumulative
-top-1..top-k accuracy on the held-out split, target_top1}. Weights load once per model into
-``env.shared`` and are cast to the target's dtype.
+top-1..top-k accuracy on the held-out split, target_top1}. Weights load once per model and
+weights file (``drafters.base.loaded_weights``) and are cast to the target's dtype.
 
 Training: ``nodraft train medusa --model micro [--minutes 10] [--threads 1]``
 (``drafters.medusa_train``; held-out accuracies of any weights: its ``evaluate_heads``).
@@ -80,7 +80,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError
+from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
+                                  loaded_weights)
 from nodraft.micro.model import Micro, MicroConfig, layer_macs
 
 SUFFIX = "medusa"
@@ -145,14 +146,16 @@ def heads_from_state(state: dict[str, Tensor]) -> MedusaHeads:
 
 
 def load_heads(env: DrafterEnv) -> tuple[MedusaHeads, dict]:
-    """The model's heads (cast to the target's dtype) and record, loaded once per model
-    into ``env.shared``. Missing weights are a SpeculationError that says how to train them."""
+    """The model's heads (cast to the target's dtype) and record, loaded once per model and
+    weights file and shared by every request and server state
+    (``drafters.base.loaded_weights``). Missing weights are a SpeculationError that says how
+    to train them."""
     path = weights_path(env.checkpoint_dir, env.model_name)
     dtype = env.model.tok_embeddings.weight.dtype
-    key = (str(path), dtype)
-    cached = env.shared.get("medusa_heads")
-    if cached is not None and cached[0] == key:
-        return cached[1], cached[2]
+    return loaded_weights(env.model, path, f"medusa {dtype}", lambda: _load(env, path, dtype))
+
+
+def _load(env: DrafterEnv, path: Path, dtype: torch.dtype) -> tuple[MedusaHeads, dict]:
     record_path = path.with_suffix(".json")
     if not path.exists() or not record_path.exists():
         raise SpeculationError(
@@ -172,8 +175,24 @@ def load_heads(env: DrafterEnv) -> tuple[MedusaHeads, dict]:
             f"the Medusa heads in {path.name} have width {heads.weight.shape[-1]}, but "
             f"{env.model_name!r} has width {env.model.config.dim}; retrain them with "
             f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
-    env.shared["medusa_heads"] = (key, heads, record)
     return heads, record
+
+
+def _heldout_accuracy(record_path: Path) -> list[list[float]]:
+    """The record's held-out accuracies, read once per version of the file (every request
+    that names Medusa, or ``auto`` with it as a candidate, is checked against them)."""
+    st = record_path.stat()
+    key = (str(record_path), st.st_size, st.st_mtime_ns)
+    got = _RECORDS.get(key)
+    if got is None:
+        got = json.loads(record_path.read_text()).get("heldout", {}).get("accuracy", [])
+        if len(_RECORDS) > 64:
+            _RECORDS.clear()
+        _RECORDS[key] = got
+    return got
+
+
+_RECORDS: dict[tuple, list] = {}
 
 
 # -- the tree ---------------------------------------------------------------------------------
@@ -259,7 +278,7 @@ class Medusa(DrafterBase):
             raise SpeculationError(
                 f"no Medusa heads for {env.model_name!r}; train them with "
                 f"`nodraft train medusa --model {env.model_name}`", "speculation.method")
-        accuracy = json.loads(record_path.read_text()).get("heldout", {}).get("accuracy", [])
+        accuracy = _heldout_accuracy(record_path)
         trained = len(accuracy)
         if params.num_heads > trained:
             raise SpeculationError(

@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError
+from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
+                                  loaded_weights)
 from nodraft.drafters.eagle.compiled import _COMPILED_DRAFTS, _COMPILED_DRAFTS_LOCK, CompiledDraft
 from nodraft.drafters.eagle.head import (EagleHead, features, forward_cost, load_head_state,
                                          weights_path)
@@ -70,39 +71,38 @@ class LoadedHead:
 
 
 def load_for(env: DrafterEnv) -> LoadedHead:
-    """The head for env's model, loaded once and kept in ``env.shared``. Its tensors are
-    plain ones (not inference tensors) whatever mode the caller is in: the compiled draft
-    step closes over them, and a saved graph's guards compare their dispatch keys, so a
-    head loaded inside inference mode in one process (a request's) and outside it in
-    another (an artifact build's) would refuse the saved graph."""
+    """The head for env's model, loaded once per model and weights file and shared by every
+    request and server state (``drafters.base.loaded_weights``). Its tensors are plain ones
+    (not inference tensors) whatever mode the caller is in: the compiled draft step closes
+    over them, and a saved graph's guards compare their dispatch keys, so a head loaded
+    inside inference mode in one process (a request's) and outside it in another (an
+    artifact build's) would refuse the saved graph."""
     path = weights_path(env.checkpoint_dir, env.model_name)
-    cached = env.shared.get("eagle_head")
-    if cached is not None and cached.model is env.model and cached.path == path:
-        return cached
-    with torch.inference_mode(False):
-        return _load(env, path)
+    dtype = env.model.tok_embeddings.weight.dtype
+    return loaded_weights(env.model, path, f"eagle {dtype}", lambda: _load(env, path))
 
 
 def _load(env: DrafterEnv, path: Path) -> LoadedHead:
-    model = env.model
-    config, state = load_head_state(env.checkpoint_dir, env.model_name)
-    c = model.config
-    if (config.dim, config.n_heads, config.ffn_dim) != (c.dim, c.n_heads, c.ffn_dim) \
-            or int(state["draft_vocab"].max()) >= c.vocab_size:
-        raise SpeculationError(
-            f"the EAGLE head for {env.model_name!r} was trained for another model shape; "
-            f"retrain it with `nodraft train eagle --model {env.model_name}`", "speculation.method")
-    dtype = model.tok_embeddings.weight.dtype
-    head = EagleHead.from_state(c, state).to(dtype)
-    d = c.dim
-    with torch.no_grad():
-        w_tok, w_feat = head.fc.weight[:, :d], head.fc.weight[:, d:]
-        tok_proj = (model.tok_embeddings.weight @ w_tok.T + head.fc.bias).contiguous()
-        loaded = LoadedHead(model, path, head, tok_proj, tok_proj[head.draft_vocab].contiguous(),
-                            w_feat.T.contiguous(), head.draft_weight(model).T.contiguous(),
-                            forward_cost(c, int(head.draft_vocab.numel())))
-    env.shared["eagle_head"] = loaded
-    return loaded
+    with torch.inference_mode(False):
+        model = env.model
+        config, state = load_head_state(env.checkpoint_dir, env.model_name)
+        c = model.config
+        if (config.dim, config.n_heads, config.ffn_dim) != (c.dim, c.n_heads, c.ffn_dim) \
+                or int(state["draft_vocab"].max()) >= c.vocab_size:
+            raise SpeculationError(
+                f"the EAGLE head for {env.model_name!r} was trained for another model shape; "
+                f"retrain it with `nodraft train eagle --model {env.model_name}`",
+                "speculation.method")
+        dtype = model.tok_embeddings.weight.dtype
+        head = EagleHead.from_state(c, state).to(dtype)
+        d = c.dim
+        with torch.no_grad():
+            w_tok, w_feat = head.fc.weight[:, :d], head.fc.weight[:, d:]
+            tok_proj = (model.tok_embeddings.weight @ w_tok.T + head.fc.bias).contiguous()
+            return LoadedHead(model, path, head, tok_proj,
+                              tok_proj[head.draft_vocab].contiguous(), w_feat.T.contiguous(),
+                              head.draft_weight(model).T.contiguous(),
+                              forward_cost(c, int(head.draft_vocab.numel())))
 
 
 @dataclass

@@ -77,14 +77,106 @@ def test_auto_skips_trained_drafters_without_weights_and_rejects_unknown_candida
 
 
 def test_auto_keeps_up_only_the_candidates_with_per_step_state():
-    """EAGLE queues the target's features every step; prompt lookup's and suffix
-    decoding's indexes catch up when next asked, and Medusa keeps nothing: a step auto
-    does not draft calls only EAGLE's observe."""
+    """EAGLE queues the target's features every step once built; prompt lookup's and
+    suffix decoding's indexes catch up when next asked. Trained candidates are built at
+    their first draft: until then no observe of theirs runs. A trained candidate is one a
+    request could ask for with its defaults: the tiny model's Medusa record measured 5
+    ranks, fewer than Medusa's default top_k (a 400 for a ``medusa`` request), so it is
+    left out."""
     reg = Registry()
     _, p = reg.parse({"method": "auto", "candidates": "prompt_lookup,suffix,eagle,medusa"})
     auto = Auto(p, drafter_env(MODEL))
-    assert set(auto.candidates()) == {"prompt_lookup", "suffix", "eagle", "medusa"}
+    with pytest.raises(SpeculationError, match="top_k"):
+        reg.check(*reg.parse("medusa"), drafter_env(MODEL))
+    assert set(auto.candidates()) == {"prompt_lookup", "suffix"}
+    assert auto.trained == ["eagle"] and auto.observers == []
+    assert auto._trained("eagle") is not None
+    assert set(auto.drafters) == {"prompt_lookup", "suffix", "eagle"}
     assert auto.observers == ["eagle"]
+
+
+def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
+    """A trained candidate first drafts at a later step: EAGLE, built then, reads the
+    positions it never observed, and the output is still plain decoding's."""
+    from nodraft.engine.sequence import Sequence
+    from nodraft.micro.model import KVCache
+
+    prompt = list(range(3, 40))
+    want, _, _ = generate(MODEL, prompt, 24)
+    _, p = Registry().parse({"method": "auto", "candidates": "eagle"})
+    auto = Auto(p, drafter_env(MODEL))
+    key = ("eagle", 0, "greedy")
+    cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
+    seq = Sequence(MODEL, cache, 0, list(prompt), auto, 24)
+    out, methods = [], []
+    with torch.inference_mode():
+        while not seq.done:
+            if len(out) == 8:  # from here EAGLE looks certain to pay
+                auto.est[key] = Acceptance(500.0, 0.01)
+                auto.draft_seconds["eagle"] = 0.0
+            elif len(out) < 8:  # until then it looks certain not to
+                auto.est[key] = Acceptance(0.01, 500.0)
+            r = seq.step()
+            out += r.tokens
+            methods.append((len(out), r.method, "eagle" in auto.drafters))
+    assert out == want
+    before = [m for n, m, _ in methods if n <= 8]
+    assert set(before) == {"none"} and not any(built for n, _, built in methods if n < 8)
+    assert "eagle" in [m for _, m, _ in methods]
+
+
+def test_a_sent_draft_that_fails_is_idle_and_one_that_pays_is_not():
+    """Sampled: a step whose draft was rejected counts towards the pause like a step
+    without one; a step whose accepted tokens were worth its pass ends the idle run."""
+    from nodraft.drafters import auto as auto_module
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL))
+    auto.cost = lambda rows: 1e-3 * (1 + 0.1 * (rows - 1))  # a pass of 5 rows: 1.4 passes
+    auto.reg = "t>0.85"
+    ctx = _ctx([5, 9, 11, 3] * 3)
+    key = ("prompt_lookup", 2, "t>0.85")
+    for i in range(auto_module.IDLE_BEFORE_PAUSE):
+        assert auto.pause == 0
+        auto.last = (key, 4, 4)
+        auto.observe(ctx, [])  # rejected at its first token: 1 token for 1.4 passes
+    assert auto.idle == auto_module.IDLE_BEFORE_PAUSE and auto.pause == 1
+    assert auto.paid("prompt_lookup", 4, 1) and not auto.paid("prompt_lookup", 4, 0)
+    auto.pause = 0
+    auto.last = (key, 4, 4)
+    auto.observe(ctx, [5])  # 2 tokens for 1.4 passes: it paid
+    assert auto.idle == 0 and auto.pause == 0
+
+
+def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
+    """After prompt lookup's draft is accepted whole, the next step asks only prompt
+    lookup (suffix decoding is not asked); at a step it does not win, both are."""
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    auto = Auto(p, drafter_env(MODEL))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    auto.propose(ctx, 8)
+    asked = []
+    for name, d in auto.drafters.items():
+        d.propose = (lambda f, n: lambda c, b: (asked.append(n), f(c, b))[1])(d.propose, name)
+    auto.last = (("prompt_lookup", 3, "greedy"), 3, 3)
+    ctx.tokens += [5, 9, 11, 3]
+    auto.observe(ctx, [5, 9, 11])
+    assert auto.winner == "prompt_lookup"
+    auto.propose(ctx, 8)
+    assert asked == ["prompt_lookup"]
+    auto.last = (("prompt_lookup", 3, "greedy"), 3, 3)
+    ctx.tokens += [5, 1]
+    auto.observe(ctx, [5])  # one of three: no longer the winner
+    asked.clear()
+    auto.propose(ctx, 8)
+    assert sorted(asked) == ["prompt_lookup", "suffix"]
+
+
+def _ctx(tokens: list[int]):
+    from nodraft.drafters.base import DraftContext
+    from nodraft.micro.model import KVCache
+
+    return DraftContext(list(tokens), len(tokens), MODEL, KVCache(MODEL.config, 1), 0)
 
 
 def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_response():
@@ -201,7 +293,7 @@ def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitte
     proposal = auto.proposals[key]
     assert proposal[:3] == [5, 9, 11]
     before = (auto.est[key].accepted, auto.est[key].rejected)
-    auto.last = (("suffix", 8, "greedy"), 3)  # as if suffix's draft had been sent instead
+    auto.last = (("suffix", 8, "greedy"), 3, 3)  # as if suffix's draft had been sent instead
     ctx.tokens += [5, 9, 63]  # two draft tokens accepted, then a bonus token
     auto.observe(ctx, [5, 9])
     after = auto.est[key]
