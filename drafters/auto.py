@@ -19,14 +19,16 @@ own measured time. The candidates, and the signals each is judged on:
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft. Asking
   the candidates is not free (the request's index, their proposals, scoring the chains
-  not sent), so a *sampled* request where nothing has paid for ``IDLE_BEFORE_PAUSE``
-  asked steps in a row pauses asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while
-  nothing pays: under sampling drafts rarely pay, and asking every step cost more than
-  the drafts gained (docs/LOG.md, 2026-12-02). A step *paid* when its draft's tokens
-  were worth more than they cost: plain decoding of the tokens it emitted would have
-  taken longer than its pass (``paid``) -- a draft sent and rejected is not a step that
-  paid, so a request whose drafts keep failing pauses too. Greedy requests ask every
-  step: a loop can begin at any.
+  not sent), so a *sampled* request keeps asking only while asking pays: each asked step's
+  *gain* is the seconds plain decoding would have spent on the tokens it emitted, less its
+  pass's and less the time auto spent asking (a step without a draft gains minus the
+  asking; a draft sent and rejected, less still), and ``gain`` is their decayed sum.
+  After ``IDLE_BEFORE_PAUSE`` asked steps in a row with a negative sum, auto pauses
+  asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while it stays negative: under
+  sampling drafts often do not pay, and asking every step cost more than the drafts gained
+  (docs/LOG.md, 2026-12-02); where they do pay on average (copying at temperature 0.7),
+  one rejected draft does not stop it. Greedy requests ask every step: a loop can begin
+  at any.
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied); the others
   are asked again at the first step it does not win outright.
@@ -81,11 +83,13 @@ CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
-# Sampled requests only: after this many consulted steps in a row where no draft paid, auto
+# Sampled requests only: after this many consulted steps in a row where what asking saved, summed
+# (``Auto.gain``), is negative, auto
 # stops consulting its candidates for 1, 2, 4 .. MAX_PAUSE steps (doubling while nothing
 # pays); greedy requests consult every step (loops begin at any step).
 IDLE_BEFORE_PAUSE = 2
 MAX_PAUSE = 16
+GAIN_DECAY = 0.95  # per asked step, for the decayed sum of what asking saved
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -150,8 +154,11 @@ class Auto(DrafterBase):
         self._subs: dict[str, DraftContext] = {}
         self.last: tuple[tuple, int, int] | None = None  # (key, depth, rows) of the last draft
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
-        self.idle = 0  # consulted steps in a row where nothing paid
+        self.idle = 0  # consulted steps in a row with ``gain`` < 0
         self.pause = 0  # steps left before auto consults its candidates again
+        self.gain = 0.0  # decayed sum of the asked steps' seconds saved (``_gain``)
+        self._asked_s: float | None = None  # seconds the last step's asking took
+        self._asked_before = False
         self.winner: str | None = None  # the cheap drafter whose last draft was accepted whole
         self.reg = "greedy"  # this request's sampling regime
 
@@ -256,6 +263,7 @@ class Auto(DrafterBase):
             self.pause -= 1
             self.last, self.proposals = None, {}
             return _NONE
+        t0 = time.perf_counter()
         if not self._built:
             self.candidates()
         budget = min(budget, self.params.num_speculative_tokens)
@@ -305,36 +313,47 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, (draft, len(draft)), g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            self._idle()
+            self._asked_s = time.perf_counter() - t0
             return _NONE
         draft, k = best_draft
         draft = draft.prefix(k, method=best_key[0])
         self.last = (best_key, max(draft.depths()), len(draft))
+        self._asked_s = time.perf_counter() - t0
         return draft
 
-    def _idle(self) -> None:
-        """A consulted step that did not pay: a sampled request pauses after
-        ``IDLE_BEFORE_PAUSE`` of them in a row, for 1, 2, 4 .. ``MAX_PAUSE`` steps."""
+    def _gain(self, rows: int, accepted: int, asked_s: float) -> float:
+        """An asked step's seconds saved: plain decoding's passes for the tokens it emitted
+        (``1 + accepted``), less its pass of ``1 + rows`` rows (one row: no draft) and the
+        ``asked_s`` seconds auto spent asking (a trained drafter's drafting included)."""
+        return (1 + accepted) * self.cost(1) - self.cost(1 + rows) - asked_s
+
+    def _asked(self, value: float) -> None:
+        """An asked step saved ``value`` seconds: add it to the decayed sum; a sampled
+        request pauses after ``IDLE_BEFORE_PAUSE`` asked steps in a row where the sum is
+        negative, for 1, 2, 4 .. ``MAX_PAUSE`` steps. A sum, not an average: at temperature
+        0.7 a copied draft that pays saves a pass or more and most rejections cost a tenth
+        of one, so what the paying steps banked carries auto through the rejections
+        between them, while steps that never pay (temperature 1.0) sink it from the first."""
+        self.gain = GAIN_DECAY * self.gain + value
+        if self.gain >= 0:
+            self.idle = 0
+            return
         self.idle += 1
         if self.reg != "greedy" and self.idle >= IDLE_BEFORE_PAUSE:
             self.pause = min(2 ** (self.idle - IDLE_BEFORE_PAUSE), MAX_PAUSE)
 
-    def paid(self, name: str, rows: int, accepted: int) -> bool:
-        """Whether a draft of ``rows`` rows from ``name`` of which ``accepted`` tokens were
-        kept paid: plain decoding's passes for the tokens its step emitted would have
-        taken longer than its pass and its drafting (a trained drafter's measured time)."""
-        spent = self.cost(1 + rows) + (self.draft_seconds.get(name, 0.0) if name in TRAINED
-                                       else 0.0)
-        return (1 + accepted) * self.cost(1) > spent
-
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        if self._asked_s is not None:  # an asked step: did asking pay?
+            rows = 0 if self.last is None else self.last[2]
+            # the first ask's time is mostly building the request's index and candidates,
+            # which no pause would save: it counts its draft only
+            asked_s = self._asked_s if self._asked_before else 0.0
+            self._asked_before = True
+            self._asked(self._gain(rows, len(accepted), asked_s))
+            self._asked_s = None
         if self.last is not None:
             key, depth, rows = self.last
             self._observe(key, depth, len(accepted))
-            if self.paid(key[0], rows, len(accepted)):
-                self.idle = 0
-            else:
-                self._idle()
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
                 self.winner = key[0]
         # the cheap chains not sent are judged against the tokens the pass did emit, so a

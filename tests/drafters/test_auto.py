@@ -125,9 +125,10 @@ def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
     assert "eagle" in [m for _, m, _ in methods]
 
 
-def test_a_sent_draft_that_fails_is_idle_and_one_that_pays_is_not():
-    """Sampled: a step whose draft was rejected counts towards the pause like a step
-    without one; a step whose accepted tokens were worth its pass ends the idle run."""
+def test_sampled_asking_pauses_while_what_it_saved_sums_below_zero():
+    """Sampled: each asked step's gain is the plain decoding it saved less its pass and
+    the asking. A draft sent and rejected lowers the sum like a step without one; a draft
+    that paid well keeps auto asking through the rejections after it."""
     from nodraft.drafters import auto as auto_module
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -136,16 +137,27 @@ def test_a_sent_draft_that_fails_is_idle_and_one_that_pays_is_not():
     auto.reg = "t>0.85"
     ctx = _ctx([5, 9, 11, 3] * 3)
     key = ("prompt_lookup", 2, "t>0.85")
+
+    def step(accepted: list[int], drafted: bool = True) -> None:
+        auto.last = (key, 4, 4) if drafted else None
+        auto._asked_s = 1e-4
+        auto.observe(ctx, accepted)
+
+    assert auto._gain(4, 0, 1e-4) == pytest.approx(1e-3 - 1.4e-3 - 1e-4)
+    assert auto._gain(0, 0, 1e-4) == pytest.approx(-1e-4)  # asked, nothing to send
     for i in range(auto_module.IDLE_BEFORE_PAUSE):
         assert auto.pause == 0
-        auto.last = (key, 4, 4)
-        auto.observe(ctx, [])  # rejected at its first token: 1 token for 1.4 passes
-    assert auto.idle == auto_module.IDLE_BEFORE_PAUSE and auto.pause == 1
-    assert auto.paid("prompt_lookup", 4, 1) and not auto.paid("prompt_lookup", 4, 0)
+        step([])  # rejected at its first token: 1 token for 1.4 passes
+    assert auto.gain < 0 and auto.idle == auto_module.IDLE_BEFORE_PAUSE and auto.pause == 1
     auto.pause = 0
-    auto.last = (key, 4, 4)
-    auto.observe(ctx, [5])  # 2 tokens for 1.4 passes: it paid
-    assert auto.idle == 0 and auto.pause == 0
+    step([5, 9, 11, 3])  # 5 tokens for 1.4 passes: it paid well
+    assert auto.gain > 0 and auto.idle == 0
+    step([])  # one rejection after it: the average still pays, no pause
+    assert auto.gain > 0 and auto.idle == 0 and auto.pause == 0
+    auto.reg, auto.gain = "greedy", 0.0
+    for _ in range(10):
+        step([], drafted=False)
+    assert auto.gain < 0 and auto.idle == 10 and auto.pause == 0  # greedy: never a pause
 
 
 def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
@@ -200,8 +212,9 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
-    """Greedy: the candidates every step. Sampled: after IDLE_BEFORE_PAUSE steps where
-    nothing paid, pauses of 1, 2, 4 .. MAX_PAUSE steps of plain decoding."""
+    """Greedy: the candidates every step. Sampled: after IDLE_BEFORE_PAUSE asked steps
+    that cost their asking and saved nothing, pauses of 1, 2, 4 .. MAX_PAUSE steps of
+    plain decoding."""
     from nodraft.drafters import auto as auto_module
     from nodraft.drafters.base import Draft
     from nodraft.engine.verify import SamplingParams
@@ -222,8 +235,9 @@ def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
     # nor does the first step (the prompt's prefill, which carries no draft)
     if temperature == 0.0:
         assert len(asked) == 58
-    else:  # consulted at steps 1, 2, then after pauses of 1, 2, 4, 8, 16, 16 ...
-        want, step, idle = [], 1, 0
+    else:  # consulted at steps 1, 2, 3, then after pauses of 1, 2, 4, 8, 16, 16 ...: the
+        # first ask saves nothing and costs nothing (its time builds the request's index)
+        want, step, idle = [], 1, -1
         while step < 59:
             want.append(step)
             idle += 1
