@@ -107,6 +107,7 @@ class Sequence:
         self._draft_s = 0.0  # the drafter's wall time since the last pass
         self._reused = 0.0  # early exit's last pass: the share of layers it reused
         self.asked = False  # the last ``propose`` asked the drafter
+        self._idle_draft: Draft | None = None  # what a step the drafter is not asked sends
 
     def _draw(self, logits: Tensor, pos: int) -> int:
         return race_rows(logits[None], self.sampling, self.noise, [pos])[0]
@@ -164,7 +165,10 @@ class Sequence:
         budget = self.budget() if limit is None else min(limit, self.budget())
         self.asked = budget > 0  # whether the drafter is asked this step
         if budget == 0:  # not consulted: a drafter may name who that pass belongs to
-            return dataclasses.replace(Draft.empty(), method=hook(self.drafter, "idle_method"))
+            if self._idle_draft is None:  # a frozen Draft: one per sequence serves every step
+                self._idle_draft = dataclasses.replace(
+                    Draft.empty(), method=hook(self.drafter, "idle_method"))
+            return self._idle_draft
         t0 = time.perf_counter()
         try:
             draft = self.drafter.propose(self.ctx, budget)
