@@ -33,15 +33,6 @@ LEARN = 0.1  # how fast the prices follow the passes requests run
 CONTEXT = 32
 
 
-def _span(rows: int) -> int:
-    """Which span of the timed table ``rows`` falls in: i where ROWS[i-1] < rows <= ROWS[i]
-    (len(ROWS) past the largest)."""
-    for i, r in enumerate(ROWS):
-        if rows <= r:
-            return i
-    return len(ROWS)
-
-
 def timing_start(max_len: int) -> int:
     """Where passes are timed in a cache of ``max_len`` rows: ``CONTEXT``, or as near it as
     leaves room for the largest pass."""
@@ -51,19 +42,15 @@ def timing_start(max_len: int) -> int:
 class PassCost:
     """Seconds of a target pass over ``rows`` rows: the table timed on this machine at
     ``ROWS`` sizes (interpolated; extrapolated past the largest), scaled by how the passes
-    requests run compare with it (``observe``) -- one scale for one-row passes, and for
-    passes of several rows (another graph) one per span of the table (2, 3, 4-5, 6-9,
-    10-17, 18 and more rows), never below a one-row pass.
+    requests run compare with it (``observe``) -- one scale for one-row passes, one for
+    passes of several rows (another graph), never below a one-row pass.
 
     The table prices passes as a loop of one size runs them. A request's passes cost
     more, and not by the same factor at every size: sampling and bookkeeping run between
     them, and a pass of several rows after one of one row (another graph) starts with its
     weights and code out of the caches. Priced by the table alone, drafts looked cheaper
     than they were, and ``auto`` drafted under sampling where drafts cost more than they
-    gave. With one scale for every size of several rows, the sizes requests ran most set
-    it for all: in prompt lookup's decodes a pass of 9 rows cost 1.35 one-row passes and
-    was priced at 1.60, one of 2 rows cost 1.06 and was priced at 1.22. A span not yet
-    seen takes the scale of every pass of several rows (``rows_scale``)."""
+    gave."""
 
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)
@@ -72,9 +59,6 @@ class PassCost:
         self.by_rows = [self._interpolate(r) for r in range(MAX_ROWS + 1)]
         self.one_scale = 1.0  # moving averages of (a pass run) / (the table's figure):
         self.rows_scale: float | None = None  # one-row passes; several (None: none seen)
-        # and per span of several rows (None: not seen; rows_scale stands in)
-        self.span_scales: list[float | None] = [None] * (len(ROWS) + 1)
-        self._span = [_span(r) for r in range(MAX_ROWS + 1)]
 
     def table(self, rows: int) -> float:
         """The timed table's figure for ``rows``."""
@@ -84,25 +68,19 @@ class PassCost:
         one = self.one_scale * self.by_rows[1]
         if rows <= 1:
             return one
-        scale = self.span_scales[self._span[rows] if rows <= MAX_ROWS else _span(rows)]
-        if scale is None:
-            scale = self.one_scale if self.rows_scale is None else self.rows_scale
+        scale = self.one_scale if self.rows_scale is None else self.rows_scale
         return max(one, scale * self.table(rows))
 
     def observe(self, rows: int, seconds: float) -> None:
         """A request's pass of ``rows`` rows took ``seconds``: move the scale of its kind
-        (one row; several, and its span's) a step (``LEARN``) towards what it says. A pass
-        counts as at most three times its price, so a preempted one moves the scale little."""
+        (one row, several) a step (``LEARN``) towards what it says. A pass counts as at
+        most three times its price, so a preempted one moves the scale little."""
         ratio = seconds / self.table(rows)
         if rows <= 1:
             self.one_scale += LEARN * (min(ratio, 3.0 * self.one_scale) - self.one_scale)
-            return
-        now = self.one_scale if self.rows_scale is None else self.rows_scale
-        span = self._span[rows] if rows <= MAX_ROWS else _span(rows)
-        was = self.span_scales[span]
-        was = now if was is None else was
-        self.rows_scale = now + LEARN * (min(ratio, 3.0 * now) - now)
-        self.span_scales[span] = was + LEARN * (min(ratio, 3.0 * was) - was)
+        else:
+            now = self.one_scale if self.rows_scale is None else self.rows_scale
+            self.rows_scale = now + LEARN * (min(ratio, 3.0 * now) - now)
 
     def _interpolate(self, rows: int) -> float:
         r, s = self.rows, self.secs

@@ -74,11 +74,6 @@ def test_pass_prices_learn_from_the_passes_requests_run():
         cost.observe(5, 0.8e-3)
     assert cost(17) == pytest.approx(0.4 * 5e-3, rel=1e-3)
     assert cost(2) == cost(1)  # 0.4 x 1.5e-3 would be below a one-row pass: never
-    # each span of the table keeps its own scale once seen: 3 rows are still priced as the
-    # one 3-row pass ran, the span of 4-5 rows as the 5-row passes did, and a span not
-    # seen (17) by every pass of several rows
-    assert cost(3) == pytest.approx(1.8e-3 * 1.6 * (1 + LEARN))
-    assert cost.span_scales[3] == pytest.approx(0.4, rel=1e-3) and cost.span_scales[5] is None
     before = cost.one_scale
     cost.observe(1, 1.0)  # a preempted pass: counted as three times its price at most
     assert cost.one_scale == pytest.approx(before + LEARN * 2 * before)
