@@ -83,10 +83,10 @@ CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
-# Sampled requests only: after this many consulted steps in a row where what asking saved, summed
-# (``Auto.gain``), is negative, auto
-# stops consulting its candidates for 1, 2, 4 .. MAX_PAUSE steps (doubling while nothing
-# pays); greedy requests consult every step (loops begin at any step).
+# Sampled requests only: after this many consulted steps in a row where what asking saved,
+# summed (``Auto.gain``), is negative, auto stops consulting its candidates for 1, 2, 4 ..
+# MAX_PAUSE steps (doubling while the sum stays negative); greedy requests consult every
+# step (loops begin at any step).
 IDLE_BEFORE_PAUSE = 2
 MAX_PAUSE = 16
 GAIN_DECAY = 0.95  # per asked step, for the decayed sum of what asking saved

@@ -67,6 +67,7 @@ Training: ``nodraft train medusa --model micro [--minutes 10] [--threads 1]``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 import json
@@ -182,17 +183,12 @@ def _heldout_accuracy(record_path: Path) -> list[list[float]]:
     """The record's held-out accuracies, read once per version of the file (every request
     that names Medusa, or ``auto`` with it as a candidate, is checked against them)."""
     st = record_path.stat()
-    key = (str(record_path), st.st_size, st.st_mtime_ns)
-    got = _RECORDS.get(key)
-    if got is None:
-        got = json.loads(record_path.read_text()).get("heldout", {}).get("accuracy", [])
-        if len(_RECORDS) > 64:
-            _RECORDS.clear()
-        _RECORDS[key] = got
-    return got
+    return _read_accuracy(str(record_path), st.st_size, st.st_mtime_ns)
 
 
-_RECORDS: dict[tuple, list] = {}
+@functools.lru_cache(maxsize=64)
+def _read_accuracy(path: str, size: int, mtime_ns: int) -> list[list[float]]:
+    return json.loads(Path(path).read_text()).get("heldout", {}).get("accuracy", [])
 
 
 # -- the tree ---------------------------------------------------------------------------------
