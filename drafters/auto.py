@@ -17,18 +17,9 @@ own measured time. The candidates, and the signals each is judged on:
   measured drafting time first (one target pass until measured), and only drafts with the
   one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
-- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft. Asking
-  the candidates is not free (the request's index, their proposals, scoring the chains
-  not sent), so a *sampled* request keeps asking only while asking pays: each asked step's
-  *gain* is the seconds plain decoding would have spent on the tokens it emitted, less its
-  pass's and less the time auto spent asking (a step without a draft gains minus the
-  asking; a draft sent and rejected, less still), and ``gain`` is their decayed sum.
-  After ``IDLE_BEFORE_PAUSE`` asked steps in a row with a negative sum, auto pauses
-  asking for 1, 2, 4 .. ``MAX_PAUSE`` steps, doubling while it stays negative: under
-  sampling drafts often do not pay, and asking every step cost more than the drafts gained
-  (docs/LOG.md, 2026-12-02); where they do pay on average (copying at temperature 0.7),
-  one rejected draft does not stop it. Greedy requests ask every step: a loop can begin
-  at any.
+- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft. Auto
+  asks its candidates at every step, greedy or sampled: under sampling the copies that pay
+  come at steps no rule saw coming (docs/LOG.md, "`auto` asks every step").
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied); the others
   are asked again at the first step it does not win outright.
@@ -83,13 +74,6 @@ CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
-# Sampled requests only: after this many consulted steps in a row where what asking saved,
-# summed (``Auto.gain``), is negative, auto stops consulting its candidates for 1, 2, 4 ..
-# MAX_PAUSE steps (doubling while the sum stays negative); greedy requests consult every
-# step (loops begin at any step).
-IDLE_BEFORE_PAUSE = 2
-MAX_PAUSE = 16
-GAIN_DECAY = 0.95  # per asked step, for the decayed sum of what asking saved
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -154,11 +138,6 @@ class Auto(DrafterBase):
         self._subs: dict[str, DraftContext] = {}
         self.last: tuple[tuple, int, int] | None = None  # (key, depth, rows) of the last draft
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
-        self.idle = 0  # consulted steps in a row with ``gain`` < 0
-        self.pause = 0  # steps left before auto consults its candidates again
-        self.gain = 0.0  # decayed sum of the asked steps' seconds saved (``_gain``)
-        self._asked_s: float | None = None  # seconds the last step's asking took
-        self._asked_before = False
         self.winner: str | None = None  # the cheap drafter whose last draft was accepted whole
         self.reg = "greedy"  # this request's sampling regime
 
@@ -259,11 +238,6 @@ class Auto(DrafterBase):
 
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        if self.pause:  # sampled, and nothing has paid for a while: plain decoding
-            self.pause -= 1
-            self.last, self.proposals = None, {}
-            return _NONE
-        t0 = time.perf_counter()
         if not self._built:
             self.candidates()
         budget = min(budget, self.params.num_speculative_tokens)
@@ -276,22 +250,23 @@ class Auto(DrafterBase):
         winner, self.winner = self.winner, None
         cheap = self.cheap if winner is None else (winner,)
         for name in cheap:  # not timed: tens of microseconds, spent before any choice
-            draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
-            if not len(draft):
+            # as lists (``proposal``): a tensor is built only for the draft sent; the cheap
+            # drafters keep no per-request state, so they read the request's context itself
+            tokens, parents, match_len = self.drafters[name].proposal(ctx, budget)
+            if not tokens:
                 continue
-            key = (name, min(draft.match_len, MAX_MATCH), reg)
+            key = (name, min(match_len, MAX_MATCH), reg)
             est = self._estimate(key)
-            if draft.parents is None:  # a chain: trim to the best length
-                tokens = draft.tokens.tolist()
+            if parents is None:  # a chain: trim to the best length
                 self.proposals[key] = tokens
                 g, k = best_length(est, len(tokens), self.cost)
                 if g > best_g:
-                    best_key, best_draft, best_g = key, (draft, k), g
+                    best_key, best_draft, best_g = key, (tokens, None, match_len, k), g
             else:
-                depth = max(draft.depths())
-                g = self._goodput(est.tokens(depth)[depth], len(draft), 0.0)
+                depth = max(_depths(parents))
+                g = self._goodput(est.tokens(depth)[depth], len(tokens), 0.0)
                 if g > best_g:
-                    best_key, best_draft, best_g = key, (draft, len(draft)), g
+                    best_key, best_draft, best_g = key, (tokens, parents, match_len, len(tokens)), g
         for name in self.trained if winner is None else ():
             key = (name, 0, reg)
             est = self._estimate(key)
@@ -310,47 +285,20 @@ class Auto(DrafterBase):
             if g > best_g and self._trained(name) is not None:
                 draft = self._timed(name, ctx, budget)
                 if len(draft):
-                    best_key, best_draft, best_g = key, (draft, len(draft)), g
+                    best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            self._asked_s = time.perf_counter() - t0
             return _NONE
-        draft, k = best_draft
-        draft = draft.prefix(k, method=best_key[0])
+        if isinstance(best_draft, Draft):  # a trained drafter's, sent whole
+            draft = dataclasses.replace(best_draft, method=best_key[0])
+        else:  # a cheap drafter's lists, cut to the chosen length
+            tokens, parents, match_len, k = best_draft
+            draft = Draft.of(tokens[:k], None if parents is None else parents[:k], match_len,
+                             method=best_key[0])
         self.last = (best_key, max(draft.depths()), len(draft))
-        self._asked_s = time.perf_counter() - t0
         return draft
 
-    def _gain(self, rows: int, accepted: int, asked_s: float) -> float:
-        """An asked step's seconds saved: plain decoding's passes for the tokens it emitted
-        (``1 + accepted``), less its pass of ``1 + rows`` rows (one row: no draft) and the
-        ``asked_s`` seconds auto spent asking (a trained drafter's drafting included)."""
-        return (1 + accepted) * self.cost(1) - self.cost(1 + rows) - asked_s
-
-    def _asked(self, value: float) -> None:
-        """An asked step saved ``value`` seconds: add it to the decayed sum; a sampled
-        request pauses after ``IDLE_BEFORE_PAUSE`` asked steps in a row where the sum is
-        negative, for 1, 2, 4 .. ``MAX_PAUSE`` steps. A sum, not an average: at temperature
-        0.7 a copied draft that pays saves a pass or more and most rejections cost a tenth
-        of one, so what the paying steps banked carries auto through the rejections
-        between them, while steps that never pay (temperature 1.0) sink it from the first."""
-        self.gain = GAIN_DECAY * self.gain + value
-        if self.gain >= 0:
-            self.idle = 0
-            return
-        self.idle += 1
-        if self.reg != "greedy" and self.idle >= IDLE_BEFORE_PAUSE:
-            self.pause = min(2 ** (self.idle - IDLE_BEFORE_PAUSE), MAX_PAUSE)
-
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
-        if self._asked_s is not None:  # an asked step: did asking pay?
-            rows = 0 if self.last is None else self.last[2]
-            # the first ask's time is mostly building the request's index and candidates,
-            # which no pause would save: it counts its draft only
-            asked_s = self._asked_s if self._asked_before else 0.0
-            self._asked_before = True
-            self._asked(self._gain(rows, len(accepted), asked_s))
-            self._asked_s = None
         if self.last is not None:
             key, depth, rows = self.last
             self._observe(key, depth, len(accepted))
@@ -387,6 +335,14 @@ class Auto(DrafterBase):
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")
 _CANDIDATES = Registry(plugins=False)  # the built-ins auto builds its candidates from
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a tree given by its parents (-1: the current token)."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
 
 
 @functools.lru_cache(maxsize=None)

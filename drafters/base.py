@@ -148,6 +148,14 @@ class Draft:
     def empty() -> "Draft":
         return Draft(torch.empty(0, dtype=torch.long))
 
+    @staticmethod
+    def of(tokens: list[int], parents: list[int] | None = None, match_len: int = 0,
+           **fields) -> "Draft":
+        """A deterministic draft from lists: a chain when ``parents`` is None."""
+        return Draft(torch.tensor(tokens, dtype=torch.long),
+                     None if parents is None else torch.tensor(parents, dtype=torch.long),
+                     match_len=match_len, **fields)
+
     def depths(self) -> list[int]:
         """Depth of each node (1 = child of the current token)."""
         if self.parents is None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 from nodraft.drafters.ngrams import request_index
@@ -67,7 +66,12 @@ class PromptLookup(DrafterBase):
                 return tokens[end + 1:end + 1 + k], n
         return [], 0
 
-    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+    def proposal(self, ctx: DraftContext, budget: int) -> tuple[list[int], None, int]:
+        """The draft as lists: (tokens, parents -- None: a chain, the match length).
+        ``auto`` reads this, and builds a ``Draft`` only of the proposal it sends."""
         draft, n = self.find(ctx.tokens, request_index(ctx, self.params.ngram_max).ends, budget)
-        return Draft(torch.tensor(draft, dtype=torch.long), match_len=n)
+        return draft, None, n
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        return Draft.of(*self.proposal(ctx, budget))
 

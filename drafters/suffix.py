@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 from nodraft.drafters.ngrams import SuffixIndex, request_index
@@ -56,7 +55,11 @@ class SuffixDecoding(DrafterBase):
         # thread is its only user, so it needs no lock.
         self.global_index: SuffixIndex = env.shared.setdefault("suffix_global", SuffixIndex())
 
-    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+    def proposal(self, ctx: DraftContext, budget: int
+                 ) -> tuple[list[int], list[int] | None, int]:
+        """The draft as lists: (tokens, parents -- None for a chain, the match length; no
+        tokens without a match). ``auto`` reads this, and builds a ``Draft`` only of the
+        proposal it sends."""
         p = self.params
         tokens, max_len = ctx.tokens, p.max_depth // 2
 
@@ -69,10 +72,13 @@ class SuffixDecoding(DrafterBase):
             if cand is not None and (best is None or cand[2] > best[2]):
                 best = cand
         if best is None:
-            return Draft.empty()
+            return [], None, 0
         tokens, parents, _, m = best
         chain = parents == list(range(-1, len(parents) - 1))
-        return Draft(torch.tensor(tokens), None if chain else torch.tensor(parents), match_len=m)
+        return tokens, None if chain else parents, m
+
+    def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        return Draft.of(*self.proposal(ctx, budget))
 
     def close(self, ctx: DraftContext) -> None:
         """Add the finished response to the global index, evicting the oldest beyond the

@@ -125,41 +125,6 @@ def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
     assert "eagle" in [m for _, m, _ in methods]
 
 
-def test_sampled_asking_pauses_while_what_it_saved_sums_below_zero():
-    """Sampled: each asked step's gain is the plain decoding it saved less its pass and
-    the asking. A draft sent and rejected lowers the sum like a step without one; a draft
-    that paid well keeps auto asking through the rejections after it."""
-    from nodraft.drafters import auto as auto_module
-
-    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
-    auto = Auto(p, drafter_env(MODEL))
-    auto.cost = lambda rows: 1e-3 * (1 + 0.1 * (rows - 1))  # a pass of 5 rows: 1.4 passes
-    auto.reg = "t>0.85"
-    ctx = _ctx([5, 9, 11, 3] * 3)
-    key = ("prompt_lookup", 2, "t>0.85")
-
-    def step(accepted: list[int], drafted: bool = True) -> None:
-        auto.last = (key, 4, 4) if drafted else None
-        auto._asked_s = 1e-4
-        auto.observe(ctx, accepted)
-
-    assert auto._gain(4, 0, 1e-4) == pytest.approx(1e-3 - 1.4e-3 - 1e-4)
-    assert auto._gain(0, 0, 1e-4) == pytest.approx(-1e-4)  # asked, nothing to send
-    for i in range(auto_module.IDLE_BEFORE_PAUSE):
-        assert auto.pause == 0
-        step([])  # rejected at its first token: 1 token for 1.4 passes
-    assert auto.gain < 0 and auto.idle == auto_module.IDLE_BEFORE_PAUSE and auto.pause == 1
-    auto.pause = 0
-    step([5, 9, 11, 3])  # 5 tokens for 1.4 passes: it paid well
-    assert auto.gain > 0 and auto.idle == 0
-    step([])  # one rejection after it: the average still pays, no pause
-    assert auto.gain > 0 and auto.idle == 0 and auto.pause == 0
-    auto.reg, auto.gain = "greedy", 0.0
-    for _ in range(10):
-        step([], drafted=False)
-    assert auto.gain < 0 and auto.idle == 10 and auto.pause == 0  # greedy: never a pause
-
-
 def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
     """After prompt lookup's draft is accepted whole, the next step asks only prompt
     lookup (suffix decoding is not asked); at a step it does not win, both are."""
@@ -169,7 +134,7 @@ def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
     auto.propose(ctx, 8)
     asked = []
     for name, d in auto.drafters.items():
-        d.propose = (lambda f, n: lambda c, b: (asked.append(n), f(c, b))[1])(d.propose, name)
+        d.proposal = (lambda f, n: lambda c, b: (asked.append(n), f(c, b))[1])(d.proposal, name)
     auto.last = (("prompt_lookup", 3, "greedy"), 3, 3)
     ctx.tokens += [5, 9, 11, 3]
     auto.observe(ctx, [5, 9, 11])
@@ -211,12 +176,9 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
-    """Greedy: the candidates every step. Sampled: after IDLE_BEFORE_PAUSE asked steps
-    that cost their asking and saved nothing, pauses of 1, 2, 4 .. MAX_PAUSE steps of
-    plain decoding."""
-    from nodraft.drafters import auto as auto_module
-    from nodraft.drafters.base import Draft
+def test_auto_asks_its_candidates_every_step(temperature):
+    """Greedy or sampled, auto asks its candidates at every step that has room for a
+    draft, even where nothing they propose has paid."""
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -225,35 +187,23 @@ def test_a_sampled_request_stops_consulting_while_nothing_pays(temperature):
 
     def nothing(ctx, budget):
         asked.append(len(ctx.tokens))
-        return Draft.empty()
+        return [], None, 0
 
-    auto.candidates()["prompt_lookup"].propose = nothing
+    auto.candidates()["prompt_lookup"].proposal = nothing
     out, seq, steps = generate(MODEL, list(range(1, 20)), 60, drafter=auto,
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == 60 and not any(s.draft for s in steps)
     # the last step has no room for a draft: the sequence does not ask for one
     # nor does the first step (the prompt's prefill, which carries no draft)
-    if temperature == 0.0:
-        assert len(asked) == 58
-    else:  # consulted at steps 1, 2, 3, then after pauses of 1, 2, 4, 8, 16, 16 ...: the
-        # first ask saves nothing and costs nothing (its time builds the request's index)
-        want, step, idle = [], 1, -1
-        while step < 59:
-            want.append(step)
-            idle += 1
-            pause = (min(2 ** (idle - auto_module.IDLE_BEFORE_PAUSE), auto_module.MAX_PAUSE)
-                     if idle >= auto_module.IDLE_BEFORE_PAUSE else 0)
-            step += 1 + pause
-        prompt_len = 19
-        assert [n - prompt_len for n in asked] == want and len(asked) < 15
+    assert [n - 19 for n in asked] == list(range(1, 59))
 
 
-def test_a_draft_that_pays_ends_the_pause():
+def test_sampled_drafts_that_pay_are_sent():
     from nodraft.engine.verify import SamplingParams
 
     prompt = [4, 8, 15, 16, 23, 42] * 8  # prompt lookup matches at every step
-    # sampled (auto pauses when nothing pays), at a temperature where this tiny model keeps
-    # the loop, so drafts do pay (at 0.7 whether they do depends on the seed's text)
+    # sampled, at a temperature where this tiny model keeps the loop, so drafts do pay (at
+    # 0.7 whether they do depends on the seed's text)
     _, seq, steps = generate(MODEL, prompt, 40, "auto", {"candidates": "prompt_lookup"},
                              SamplingParams(temperature=0.3, seed=1))
     assert sum(1 for s in steps if s.draft) > 5
