@@ -74,18 +74,41 @@ class SuffixIndex:
         self.stored: deque = deque()  # previous responses: (start, length), oldest first
 
     def _index(self, start: int, first_end: int, last_end: int, sign: int = 1) -> None:
-        """(Un)index the n-grams ending at first_end..last_end of a sequence at ``start``."""
-        toks, base, ends, k = self.tokens, self.base, self.ends, self.K
-        for end in range(first_end, last_end + 1):
-            for n in range(1, min(k, end - start + 1) + 1):
-                key = tuple(toks[end - n + 1 - base:end + 1 - base])
-                if sign > 0:
-                    ends.setdefault(key, []).append(end)
-                else:  # the oldest occurrence is the first
+        """(Un)index the n-grams ending at first_end..last_end of a sequence at ``start``.
+        Many ends (a response stored or evicted) go by n, then by end: each n-gram's
+        positions still arrive in ascending order (an n-gram is one key for one n), and the
+        n-grams come out of ``zip`` over shifted slices, not a slice and a tuple apiece."""
+        toks, base, ends = self.tokens, self.base, self.ends
+        if sign > 0 and last_end - first_end < 4:  # a step's few tokens: directly
+            for end in range(first_end, last_end + 1):
+                for n in range(1, min(self.K, end - start + 1) + 1):
+                    key = tuple(toks[end - n + 1 - base:end + 1 - base])
+                    at = ends.get(key)
+                    if at is None:
+                        ends[key] = [end]
+                    else:
+                        at.append(end)
+            return
+        for n in range(1, self.K + 1):
+            e0 = max(first_end, start + n - 1)  # the first end with n tokens behind it
+            if e0 > last_end:
+                break
+            seq = toks[e0 - n + 1 - base:last_end + 1 - base]
+            grams = zip(*[seq[i:] for i in range(n)])
+            if sign > 0:
+                for end, key in zip(range(e0, last_end + 1), grams):
+                    at = ends.get(key)
+                    if at is None:
+                        ends[key] = [end]
+                    else:
+                        at.append(end)
+            else:  # the oldest occurrence is the first
+                for key in grams:
                     at = ends[key]
-                    del at[0]
-                    if not at:
+                    if len(at) == 1:
                         del ends[key]
+                    else:
+                        del at[0]
 
     def extend(self, tokens: list[int]) -> None:
         """Index the request's own tokens (the list the request appends to): every n-gram
