@@ -266,7 +266,8 @@ class Auto(DrafterBase):
                 depth = max(_depths(parents))
                 g = self._goodput(est.tokens(depth)[depth], len(tokens), 0.0)
                 if g > best_g:
-                    best_key, best_draft, best_g = key, (tokens, parents, match_len, len(tokens)), g
+                    best_key, best_g = key, g
+                    best_draft = (tokens, parents, match_len, len(tokens))
         for name in self.trained if winner is None else ():
             key = (name, 0, reg)
             est = self._estimate(key)

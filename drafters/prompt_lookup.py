@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 from nodraft.drafters.ngrams import request_index
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
 from nodraft.drafters.ngrams import SuffixIndex, request_index
 
