@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
-                                  close_drafter, has_hook)
+                                  close_drafter, has_hook, tree_depths)
 from nodraft.drafters.registry import Registry
 from nodraft.drafters.ngrams import request_index
 from nodraft.drafters import costs
@@ -263,7 +263,7 @@ class Auto(DrafterBase):
                 if g > best_g:
                     best_key, best_draft, best_g = key, (tokens, None, match_len, k), g
             else:
-                depth = max(_depths(parents))
+                depth = max(tree_depths(parents))
                 g = self._goodput(est.tokens(depth)[depth], len(tokens), 0.0)
                 if g > best_g:
                     best_key, best_g = key, g
@@ -336,14 +336,6 @@ class Auto(DrafterBase):
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")
 _CANDIDATES = Registry(plugins=False)  # the built-ins auto builds its candidates from
-
-
-def _depths(parents: list[int]) -> list[int]:
-    """Each node's depth in a tree given by its parents (-1: the current token)."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return depth
 
 
 @functools.lru_cache(maxsize=None)

@@ -160,10 +160,17 @@ class Draft:
         """Depth of each node (1 = child of the current token)."""
         if self.parents is None:
             return list(range(1, len(self) + 1))
-        depth: list[int] = []
-        for p in self.parents.tolist():
-            depth.append(1 if p < 0 else depth[p] + 1)
-        return depth
+        return tree_depths(self.parents.tolist())
+
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a tree given by its parents (-1: the current token; parents
+    precede children), 1 for a child of the current token."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
 
 
 @dataclass

@@ -73,42 +73,41 @@ class SuffixIndex:
         self.indexed = -1  # the request's own: last end position indexed
         self.stored: deque = deque()  # previous responses: (start, length), oldest first
 
-    def _index(self, start: int, first_end: int, last_end: int, sign: int = 1) -> None:
-        """(Un)index the n-grams ending at first_end..last_end of a sequence at ``start``.
-        Many ends (a response stored or evicted) go by n, then by end: each n-gram's
-        positions still arrive in ascending order (an n-gram is one key for one n), and the
-        n-grams come out of ``zip`` over shifted slices, not a slice and a tuple apiece."""
-        toks, base, ends = self.tokens, self.base, self.ends
-        if sign > 0 and last_end - first_end < 4:  # a step's few tokens: directly
+    def _grams(self, start: int, first_end: int, last_end: int):
+        """(end, n-gram) for every n-gram (n <= K) ending at first_end..last_end of a
+        sequence at ``start``, each n-gram's ends in ascending order. A step's few tokens
+        are sliced directly; many (a response stored or evicted) go by n, then by end, the
+        n-grams coming out of ``zip`` over shifted slices, not a slice and a tuple apiece."""
+        toks, base = self.tokens, self.base
+        if last_end - first_end < 4:
             for end in range(first_end, last_end + 1):
                 for n in range(1, min(self.K, end - start + 1) + 1):
-                    key = tuple(toks[end - n + 1 - base:end + 1 - base])
-                    at = ends.get(key)
-                    if at is None:
-                        ends[key] = [end]
-                    else:
-                        at.append(end)
+                    yield end, tuple(toks[end - n + 1 - base:end + 1 - base])
             return
         for n in range(1, self.K + 1):
             e0 = max(first_end, start + n - 1)  # the first end with n tokens behind it
             if e0 > last_end:
                 break
             seq = toks[e0 - n + 1 - base:last_end + 1 - base]
-            grams = zip(*[seq[i:] for i in range(n)])
-            if sign > 0:
-                for end, key in zip(range(e0, last_end + 1), grams):
-                    at = ends.get(key)
-                    if at is None:
-                        ends[key] = [end]
-                    else:
-                        at.append(end)
-            else:  # the oldest occurrence is the first
-                for key in grams:
-                    at = ends[key]
-                    if len(at) == 1:
-                        del ends[key]
-                    else:
-                        del at[0]
+            yield from zip(range(e0, last_end + 1), zip(*[seq[i:] for i in range(n)]))
+
+    def _index(self, start: int, first_end: int, last_end: int, sign: int = 1) -> None:
+        """(Un)index the n-grams ending at first_end..last_end of a sequence at ``start``."""
+        ends = self.ends
+        if sign > 0:
+            for end, key in self._grams(start, first_end, last_end):
+                at = ends.get(key)
+                if at is None:
+                    ends[key] = [end]
+                else:
+                    at.append(end)
+        else:  # the oldest occurrence is the first
+            for _, key in self._grams(start, first_end, last_end):
+                at = ends[key]
+                if len(at) == 1:
+                    del ends[key]
+                else:
+                    del at[0]
 
     def extend(self, tokens: list[int]) -> None:
         """Index the request's own tokens (the list the request appends to): every n-gram
