@@ -289,8 +289,7 @@ def main(argv: list[str] | None = None) -> None:
             for prompt in prompts[category]:
                 for regime in regimes:
                     for method in methods:
-                        params = {"exit_layer": 2} if method == "early_exit" else {}
-                        row = measure(model, name, prompt, regime, method, params, args.tokens,
+                        row = measure(model, name, prompt, regime, method, {}, args.tokens,
                                       args.repeats, registry)
                         row.update(model=name, category=category, prompt=prompt["name"],
                                    regime=regime)

@@ -20,8 +20,8 @@ prompts still being prefilled (at most ``PREFILL_TOKENS`` rows per pass, so a lo
 never stalls the others). Sequences join between passes and leave when done. How many
 draft tokens each sequence may carry is the ``DraftScheduler``'s call: measured goodput,
 so drafting shrinks, then stops, as the batch grows. A lone sequence takes the
-single-sequence path (``Sequence.step``: the leanest pass, early exit's KV reuse, and the
-request's own draft length).
+single-sequence path (``Sequence.step``: the leanest pass, early exit's KV reuse where
+asked, and the request's own draft length).
 
 Compiled passes (``Micro.compile``, micro/compiled.py) serve the single-sequence path once
 ``warm_up`` has compiled them; it runs in a thread of its own on a scratch cache of the

@@ -218,17 +218,11 @@ class Sequence:
         m = self.model
         if draft.reuse is not None and k:  # early exit: layers < E cached for all but the last
             E = draft.reuse.layer
-            block = torch.tensor([[self.tokens[-1], *draft.tokens.tolist()]])
-            pos_last = torch.tensor([[n + k]])
-            h_last = m.run_layers(m.embed(block[:, -1:]), pos_last, 0, E, cache=self.cache,
-                                  slot=self.slot, start=n + k)
-            h = torch.cat([draft.reuse.hidden[None], h_last], dim=1)  # (1, 1+k, dim)
-            pos = torch.arange(n, n + k + 1)[None]
-            h = m.run_layers(h, pos, E, m.config.n_layers, cache=self.cache, slot=self.slot,
-                             start=n, mask=m.block_mask(k + 1, n, None))
+            h_last = m.exit_residual(draft.tokens[-1:], self.cache, self.slot, n + k, E)
+            h = torch.cat([draft.reuse.hidden, h_last])  # (1+k, dim)
             self.ctx.aux_logits = None
             self._reused = E / m.config.n_layers  # for its price: layers below E were reused
-            return m.head(h)[0], h[0]
+            return m.verify_from(h, self.cache, self.slot, n, E)
         if draft.parents is None and not draft.n_aux:  # a chain: positions and mask implied
             ids = torch.tensor([self.tokens[-1], *draft.tokens.tolist()])
             self.ctx.aux_logits = None

@@ -18,9 +18,10 @@ what plain decoding would have spent on the tokens those passes emitted (one 1-r
 each); ``draft_seconds`` is the drafter's own wall time, timed (its proposals and its
 bookkeeping after each pass; none for ``none``). It is the request's speed-up over plain
 decoding were it alone on the engine -- under batching the engine shares each pass
-between sequences, which neither figure models. Early exit's own verification pass (a
-lone sequence's) reuses the rows below its exit layer E of L: it is priced as a 1-row
-pass for E/L of the layers and a pass of all its rows for the rest, an approximation.
+between sequences, which neither figure models. Early exit's verification pass with
+``reuse_kv`` (a lone sequence's) reuses the rows below its exit layer E of L: it is priced
+as a 1-row pass for E/L of the layers and a pass of all its rows for the rest, an
+approximation.
 """
 
 from __future__ import annotations

@@ -417,7 +417,7 @@ class CompiledPasses:
         ranges = [(0, L, True, 1), (0, L, True, 3)]
         if early_exit:
             for E in range(1, L):  # drafting, the last draft token's rows, verification
-                ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, False, 3)]
+                ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, True, 3)]
         start = MIN_CONTEXT + 6
         # inputs made in inference mode, as the engine's passes make them: dynamo guards on
         # a tensor's dispatch keys, and a graph compiled for a normal tensor would compile

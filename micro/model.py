@@ -261,6 +261,42 @@ class Micro(nn.Module):
                             slot=slot, start=start)[0]
         return self.head(h), h
 
+    @torch.inference_mode()
+    def verify_from(self, h: Tensor, cache: KVCache, slot: int, start: int, layer: int
+                    ) -> tuple[Tensor, Tensor]:
+        """A chain block's layer-``layer`` residual stream h (T, dim), its rows below
+        ``layer`` already cached at [start, start+T) (early exit's reuse), through layers
+        [layer, L) and the head, causal: logits (T, V) and the final residual stream
+        (T, dim), as ``verify_pass`` gives them. Compiled when ``compile()`` was called."""
+        T = h.shape[0]
+        pos = torch.arange(start, start + T)
+        compiled = self.compiled
+        if compiled is not None:
+            done = compiled.run(h, pos, layer, self.config.n_layers, cache, slot, start, None,
+                                head=True)
+            if done is not None:
+                return done[1], done[0]
+        out = self.run_layers(h[None], pos[None], layer, self.config.n_layers, cache=cache,
+                              slot=slot, start=start, mask=self.block_mask(T, start, None))[0]
+        return self.head(out), out
+
+    @torch.inference_mode()
+    def exit_residual(self, ids: Tensor, cache: KVCache, slot: int, start: int,
+                      exit_layer: int) -> Tensor:
+        """As ``exit_pass`` without the head: the layer-``exit_layer`` residual stream
+        (T, dim) of ids (T,), their KV rows of layers < exit_layer written at
+        [start, start+T) (for a drafter with a head of its own)."""
+        T = ids.shape[0]
+        pos = torch.arange(start, start + T)
+        compiled = self.compiled
+        if compiled is not None:
+            done = compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
+                                None, head=False)
+            if done is not None:
+                return done[0]
+        return self.run_layers(self.embed(ids)[None], pos[None], 0, exit_layer, cache=cache,
+                               slot=slot, start=start, mask=self.block_mask(T, start, None))[0]
+
     # -- the pieces -----------------------------------------------------------------------
     def embed(self, idx: Tensor) -> Tensor:
         return self.tok_embeddings(idx)  # (B, T, dim)

@@ -5,7 +5,7 @@
     nodraft eval     [--json]          held-out loss of every checkpoint and variant
     nodraft workshop [--json] [--plot FILE] [--url URL]   the course's table, measured
     nodraft bench    [--models ...] [--regimes ...]       the workload suite, greedy and sampled
-    nodraft train    tokenizer | micro | medusa | eagle ...
+    nodraft train    tokenizer | micro | medusa | eagle | draft-vocab ...
     nodraft export-hf DIR [--model NAME]
     nodraft export-gguf FILE [--model NAME] [--type f32|q8_0]
     nodraft loadtest --url URL --concurrency N --requests M [--json]
@@ -34,6 +34,7 @@ TRAIN = {
     "micro": ("nodraft.micro.train", "main", "micro or micro-layerskip (--layerskip)"),
     "medusa": ("nodraft.drafters.medusa_train", "main", "Medusa heads for a checkpoint"),
     "eagle": ("nodraft.drafters.eagle.train", "main", "the EAGLE head for a checkpoint"),
+    "draft-vocab": ("nodraft.drafters.draft_vocab", "main", "token ids ranked by frequency (early exit's draft vocabulary)"),
 }
 
 

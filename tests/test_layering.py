@@ -10,7 +10,7 @@ ROOT = Path(__file__).parents[1]
 LAYERS = ["micro", "drafters", "engine", "server", "clients"]
 # drafters' shared parts, which any drafter may import (not another drafter, nor the
 # registry: only ``auto``, which builds its candidates, does)
-SHARED = {"base", "costs", "goodput", "ngrams"}
+SHARED = {"base", "costs", "draft_vocab", "goodput", "ngrams"}
 
 
 def modules() -> dict[str, Path]:

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from nodraft.drafters.draft_vocab import draft_vocabulary
 from nodraft.drafters.eagle.drafter import Eagle
 from nodraft.drafters.eagle.evaluation import (GREEDY_PROMPT, evaluate_head, greedy_continue,
                                                greedy_rows, target_features, time_draft_step)
@@ -63,13 +64,6 @@ from nodraft.drafters.eagle.head import EagleHead, load_head_state, save_head, u
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
 from nodraft.micro.train import lr_at
-
-
-def draft_vocabulary(stream: np.ndarray, n: int, vocab_size: int) -> torch.Tensor:
-    """The n most frequent token ids of ``stream``, most frequent first (ties: lower id)."""
-    counts = np.bincount(stream, minlength=vocab_size)
-    order = np.lexsort((np.arange(vocab_size), -counts))
-    return torch.from_numpy(order[:n].astype(np.int64))
 
 
 def self_distill_rows(model, stream: np.ndarray, n_rows: int, seq_len: int, seed: int,

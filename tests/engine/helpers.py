@@ -20,8 +20,10 @@ REGISTRY = Registry()
 METHOD_PARAMS: dict[str, list[dict]] = {
     "none": [{}],
     "prompt_lookup": [{}, {"num_speculative_tokens": 3, "ngram_max": 2, "match": "first"}],
-    "early_exit": [{"exit_layer": 1}, {"exit_layer": 2, "num_speculative_tokens": 5},
-                   {"exit_layer": 3}],
+    "early_exit": [{"exit_layer": 1}, {"exit_layer": 2, "num_speculative_tokens": 5, "reuse_kv": True},
+                   {"exit_layer": 3}, {"exit_layer": 3, "reuse_kv": True},
+                   {"exit_layer": 1, "num_speculative_tokens": 4, "draft_vocab": 16,
+                    "reuse_kv": True}],
     "suffix": [{}, {"min_token_prob": 0.01, "max_spec_factor": 4.0}],
     "lookahead": [{}, {"window": 1, "ngram": 3, "guesses": 1},
                   {"window": 5, "ngram": 4, "guesses": 8, "seed_from_prompt": False}],
@@ -38,6 +40,7 @@ METHOD_PARAMS: dict[str, list[dict]] = {
 # committed checkpoints use their committed weights.
 TRAINED: dict[str, str] = {"medusa": "nodraft.drafters.medusa:write_untrained"}
 TRAINED["eagle"] = "nodraft.drafters.eagle:write_untrained"
+TRAINED["draft-vocab"] = "nodraft.drafters.draft_vocab:write_untrained"  # early exit's
 HEADS_DIR = Path(tempfile.mkdtemp(prefix="nodraft-test-heads-"))
 
 

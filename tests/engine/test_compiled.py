@@ -72,6 +72,21 @@ def test_early_exit_ranges_match_eager(pair):
             le = eager(x, cache=ce, slot=1, start=30, exit_layer=E)
             lc = compiled(x, cache=cc, slot=1, start=30, exit_layer=E)
             torch.testing.assert_close(lc, le, rtol=1e-4, atol=2e-4)
+            # the rest of a 3-row block from layer E on, the head included (the
+            # verification of a draft that reuses its rows below E)
+            block = torch.tensor([11, 12, 13])
+            re = eager.exit_residual(block, ce, 1, 30, E)
+            rc = compiled.exit_residual(block, cc, 1, 30, E)
+            torch.testing.assert_close(rc, re, rtol=1e-4, atol=2e-4)
+            fe, ge = eager.verify_from(re, ce, 1, 30, E)
+            fc, gc = compiled.verify_from(re, cc, 1, 30, E)
+            assert (E, 4, True, True) in {f[:4] for f in compiled.compiled._ready}
+            torch.testing.assert_close(fc, fe, rtol=1e-4, atol=2e-4)
+            torch.testing.assert_close(gc, ge, rtol=1e-4, atol=2e-4)
+            # and what one whole pass over the block gives
+            we, _ = eager.verify_pass(block, ce, 1, 30)
+            torch.testing.assert_close(fe, we, rtol=1e-4, atol=2e-4)
+            torch.testing.assert_close(cc.k, ce.k, rtol=1e-4, atol=2e-4)
 
 
 # a lone row (run as two), a short prompt, one past the rows' broadcast products' sizes

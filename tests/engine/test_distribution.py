@@ -78,7 +78,9 @@ def sample_joint(sp_args: dict, method=None, params=None, drafter_cls=None,
 
 
 CASES = [("none", {}, None), ("prompt_lookup", {}, None), ("early_exit", {"exit_layer": 1}, None),
-         ("early_exit", {"exit_layer": 3}, None), ("suffix", {"min_token_prob": 0.01}, None),
+         ("early_exit", {"exit_layer": 3}, None),
+         ("early_exit", {"exit_layer": 2, "draft_vocab": 4, "reuse_kv": True}, None),
+         ("suffix", {"min_token_prob": 0.01}, None),
          ("lookahead", {"window": 3, "ngram": 3}, None),
          ("medusa", {}, None),
          ("eagle", {}, None),

@@ -87,7 +87,8 @@ def test_a_sequence_teaches_its_prices_with_whole_passes_only():
             seen.append((rows, seconds))
 
     reg = Registry()
-    for method, params, whole in (("prompt_lookup", {}, True), ("early_exit", {"exit_layer": 2}, False)):
+    for method, params, whole in (("prompt_lookup", {}, True), ("early_exit", {"exit_layer": 2}, True),
+                                  ("early_exit", {"exit_layer": 2, "reuse_kv": True}, False)):
         seen = []
         table = Recording({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
         cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
@@ -102,7 +103,7 @@ def test_a_sequence_teaches_its_prices_with_whole_passes_only():
         drafted = [1 + len(r.draft) for r in steps[1:]]
         if whole:  # every pass, by its rows
             assert [rows for rows, _ in seen] == drafted and all(t > 0 for _, t in seen)
-        else:  # early exit's passes reuse its draft's lower layers: not a whole pass's cost
+        else:  # early exit's reusing passes skip its draft's lower layers: not a whole pass's
             assert [rows for rows, _ in seen] == [d for d in drafted if d == 1]
 
 
@@ -127,7 +128,8 @@ def test_measured_cost_figures_price_each_pass_by_its_rows():
     cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
     reg = Registry()
     L = MODEL.config.n_layers
-    for method, params in (("prompt_lookup", {}), ("none", {}), ("early_exit", {"exit_layer": 1})):
+    for method, params in (("prompt_lookup", {}), ("none", {}), ("early_exit", {"exit_layer": 1}),
+                           ("early_exit", {"exit_layer": 1, "reuse_kv": True})):
         seq = Sequence(MODEL, cache, 0, list(prompt), reg.build(
             *reg.parse({"method": method, **params}), drafter_env(MODEL)), 30, method=method,
             pass_cost=table)
@@ -137,8 +139,8 @@ def test_measured_cost_figures_price_each_pass_by_its_rows():
                 steps.append(seq.step())
         s = seq.stats
         assert s.plain_seconds == pytest.approx(sum((r.accepted + 1) * 1e-3 for r in steps))
-        # early exit's own pass reuses the rows below its exit: E/L of it priced at 1 row
-        reused = params.get("exit_layer", 0) / L
+        # early exit's pass that reuses the rows below its exit: E/L of it priced at 1 row
+        reused = params.get("exit_layer", 0) / L if params.get("reuse_kv") else 0
         assert s.verify_seconds == pytest.approx(sum(
             (1 - reused) * table(1 + len(r.draft)) + reused * table(1) if r.draft
             else table(1) for r in steps))

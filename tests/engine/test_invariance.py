@@ -18,7 +18,8 @@ from tests.engine.helpers import REGISTRY, generate, run_all
 # the rest chains), EAGLE's dynamic tree and a deep early exit (test_equivalence sweeps the
 # parameters)
 EXTRA = [("eagle", {"depth": 6, "top_k": 3, "total_tokens": 40}),
-         ("early_exit", {"exit_layer": 3, "num_speculative_tokens": 5})]
+         ("early_exit", {"exit_layer": 3, "num_speculative_tokens": 5}),
+         ("early_exit", {"exit_layer": 2, "draft_vocab": 256, "reuse_kv": True})]
 CONFIGS = [(name, {}) for name in REGISTRY.names()] + EXTRA
 MODELS = ["micro", "micro-layerskip"]
 TEXTS = ["def fibonacci(n):\n    ", "The quick brown fox. The quick brown fox. The quick",

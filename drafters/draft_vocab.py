@@ -1,0 +1,147 @@
+"""A draft vocabulary: the target's token ids ranked by their frequency in the train split.
+
+FR-Spec (Zhao et al., 2025) drafts over the most frequent tokens only: a drafter's own LM
+head then reads a few hundred rows of the target's 4096-row head instead of all of them,
+and verification still scores every token with the full head, so the output is unchanged
+(a draft outside the subset is simply never proposed). Early exit reads the first
+``draft_vocab`` ids of this ranking (``drafters.early_exit``); EAGLE's head carries its
+own 1024 in its weights, ranked the same way (``draft_vocabulary``).
+
+    nodraft train draft-vocab [--model micro] [--checkpoints DIR]
+
+writes ``<model>-draft-vocab.safetensors`` (``ranked`` (V,) int64, most frequent first;
+``counts`` (V,) int64, each id's count in the train split) and ``<model>-draft-vocab.json``
+(the command, the time it took, and how much of the held-out split the first n ids cover)
+beside the checkpoint. The ranking depends on the tokenizer and the train split only; the
+two committed checkpoints share both, so their files are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from nodraft.drafters.base import DrafterEnv, SpeculationError, loaded_weights
+from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_config, load_tokenizer
+from nodraft.micro.model import Micro
+
+SUFFIX = "draft-vocab"
+COVERAGE_SIZES = (128, 256, 512, 768, 1024, 2048)
+
+
+def weights_path(directory: Path, model_name: str) -> Path:
+    return Path(directory) / f"{model_name}-{SUFFIX}.safetensors"
+
+
+def draft_vocabulary(stream: np.ndarray, n: int, vocab_size: int) -> Tensor:
+    """The n most frequent token ids of ``stream``, most frequent first (ties: lower id)."""
+    counts = np.bincount(stream, minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return torch.from_numpy(order[:n].astype(np.int64))
+
+
+def coverage(ranked: Tensor, stream: np.ndarray, sizes=COVERAGE_SIZES) -> dict[str, float]:
+    """For each n in ``sizes``: the share of ``stream``'s tokens among the first n ids."""
+    counts = np.bincount(stream, minlength=ranked.numel())
+    total = max(int(counts.sum()), 1)
+    order = ranked.numpy()
+    return {str(n): round(float(counts[order[:n]].sum()) / total, 4) for n in sizes}
+
+
+def save(ranked: Tensor, counts: Tensor, model_name: str, directory: Path, record: dict) -> Path:
+    from safetensors.torch import save_file
+
+    path = weights_path(directory, model_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"ranked": ranked.to(torch.int64).contiguous(),
+               "counts": counts.to(torch.int64).contiguous()}, str(path))
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def check(env: DrafterEnv) -> None:
+    """Before a request is queued: the model has a ranking."""
+    if not weights_path(env.checkpoint_dir, env.model_name).exists():
+        raise SpeculationError(
+            f"no draft vocabulary for model {env.model_name!r}; rank one with `nodraft train "
+            f"draft-vocab --model {env.model_name}`, or ask for draft_vocab 0 (the full head)",
+            "speculation.draft_vocab")
+
+
+def head_rows(env: DrafterEnv, n: int) -> tuple[Tensor, Tensor]:
+    """The first ``n`` ids of env's model's ranking (n,) and their rows of the tied LM head
+    (n, dim), contiguous, in the model's dtype: loaded once per model, file and size and
+    shared by every request (``drafters.base.loaded_weights``)."""
+    path = weights_path(env.checkpoint_dir, env.model_name)
+    dtype = env.model.tok_embeddings.weight.dtype
+    return loaded_weights(env.model, path, f"draft-vocab {n} {dtype}",
+                          lambda: _head_rows(env, path, n))
+
+
+def _head_rows(env: DrafterEnv, path: Path, n: int) -> tuple[Tensor, Tensor]:
+    from safetensors.torch import load_file
+
+    check(env)
+    ranked = load_file(str(path))["ranked"]
+    V = env.model.config.vocab_size
+    if ranked.numel() != V or int(ranked.max()) >= V:
+        raise SpeculationError(
+            f"the draft vocabulary for {env.model_name!r} ranks {ranked.numel()} ids, the "
+            f"model has {V}; rank it again with `nodraft train draft-vocab --model "
+            f"{env.model_name}`", "speculation.draft_vocab")
+    ids = ranked[:n].clone()
+    with torch.inference_mode(False), torch.no_grad():
+        rows = env.model.tok_embeddings.weight[ids].contiguous()
+    return ids, rows
+
+
+def write_untrained(model: Micro, model_name: str, directory: Path) -> Path:
+    """A ranking for a test model: a permutation of its ids, seeded by its name (a tiny
+    random model has no train split of its own)."""
+    V = model.config.vocab_size
+    seed = int.from_bytes(hashlib.sha256(model_name.encode()).digest()[:4], "big")
+    ranked = torch.randperm(V, generator=torch.Generator().manual_seed(seed))
+    counts = torch.arange(V, 0, -1)
+    record = {"name": f"{model_name}-{SUFFIX}", "target": model_name, "untrained": True,
+              "command": "drafters.draft_vocab.write_untrained (a seeded permutation for tests)"}
+    return save(ranked, counts, model_name, directory, record)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="nodraft train draft-vocab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="micro")
+    p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR),
+                   help="the folder of the checkpoint and its tokenizer (default: the bundled)")
+    args = p.parse_args(argv)
+    from nodraft.micro.data import token_stream
+
+    t0 = time.perf_counter()
+    directory = Path(args.checkpoints)
+    config = load_config(args.model, directory)
+    local_tok = directory / "tokenizer.json"
+    tok = load_tokenizer(local_tok if local_tok.exists() else None)
+    train = token_stream(tok, "train")
+    V = config.vocab_size
+    ranked = draft_vocabulary(train, V, V)
+    counts = torch.from_numpy(np.bincount(train, minlength=V).astype(np.int64))
+    heldout = coverage(ranked, token_stream(tok, "heldout"))
+    record = {"name": f"{args.model}-{SUFFIX}", "target": args.model,
+              "command": "nodraft train draft-vocab " + " ".join(argv or sys.argv[1:]),
+              "seconds": round(time.perf_counter() - t0, 1), "train_tokens": int(train.size),
+              "heldout_coverage": heldout}
+    path = save(ranked, counts, args.model, directory, record)
+    print(f"wrote {path}: {V} ids ranked over {train.size} train tokens; held-out coverage "
+          + ", ".join(f"first {n}: {c:.1%}" for n, c in heldout.items()))
+
+
+if __name__ == "__main__":
+    main()
