@@ -19,6 +19,7 @@ two committed checkpoints share both, so their files are equal.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import sys
@@ -67,13 +68,31 @@ def save(ranked: Tensor, counts: Tensor, model_name: str, directory: Path, recor
     return path
 
 
-def check(env: DrafterEnv) -> None:
-    """Before a request is queued: the model has a ranking."""
-    if not weights_path(env.checkpoint_dir, env.model_name).exists():
+def check(env: DrafterEnv, n: int) -> None:
+    """Before a request is queued (no weights needed): the model has a ranking, of at
+    least ``n`` ids."""
+    path = weights_path(env.checkpoint_dir, env.model_name)
+    try:
+        st = path.stat()
+    except OSError:
         raise SpeculationError(
             f"no draft vocabulary for model {env.model_name!r}; rank one with `nodraft train "
             f"draft-vocab --model {env.model_name}`, or ask for draft_vocab 0 (the full head)",
-            "speculation.draft_vocab")
+            "speculation.draft_vocab") from None
+    size = _ranked_ids(str(path), st.st_mtime_ns, st.st_size)
+    if n > size:
+        raise SpeculationError(f"draft_vocab must be at most the model's vocabulary, {size}",
+                               "speculation.draft_vocab")
+
+
+@functools.lru_cache(maxsize=16)
+def _ranked_ids(path: str, mtime_ns: int, size: int) -> int:
+    """How many ids the ranking at ``path`` holds, from its header (the file's modification
+    time and size key the cache: a file ranked again is read again)."""
+    from safetensors import safe_open
+
+    with safe_open(path, "pt") as f:
+        return int(f.get_slice("ranked").get_shape()[0])
 
 
 def head_rows(env: DrafterEnv, n: int) -> tuple[Tensor, Tensor]:
@@ -89,7 +108,7 @@ def head_rows(env: DrafterEnv, n: int) -> tuple[Tensor, Tensor]:
 def _head_rows(env: DrafterEnv, path: Path, n: int) -> tuple[Tensor, Tensor]:
     from safetensors.torch import load_file
 
-    check(env)
+    check(env, n)
     ranked = load_file(str(path))["ranked"]
     V = env.model.config.vocab_size
     if ranked.numel() != V or int(ranked.max()) >= V:

@@ -71,9 +71,10 @@ class EarlyExit(DrafterBase):
 
     @staticmethod
     def check(params: Params, env: DrafterEnv) -> None:
-        """Before the request is queued: a draft vocabulary exists for the model."""
+        """Before the request is queued: a draft vocabulary of that size exists for the
+        model."""
         if params.draft_vocab:
-            check_vocab(env)
+            check_vocab(env, params.draft_vocab)
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params

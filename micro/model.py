@@ -249,53 +249,39 @@ class Micro(nn.Module):
         """Early exit: ids (T,) through layers [0, exit_layer) with their KV rows written
         at [start, start+T); logits through the final norm and head (T, V) and the layer's
         residual stream (T, dim). Compiled when ``compile()`` was called."""
-        T = ids.shape[0]
-        pos = torch.arange(start, start + T)
-        compiled = self.compiled
-        if compiled is not None:
-            done = compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
-                                None, head=True)
-            if done is not None:
-                return done[1], done[0]
-        h = self.run_layers(self.embed(ids)[None], pos[None], 0, exit_layer, cache=cache,
-                            slot=slot, start=start)[0]
-        return self.head(h), h
+        return self._layer_range(self.embed(ids), cache, slot, start, 0, exit_layer, True)
+
+    @torch.inference_mode()
+    def exit_residual(self, ids: Tensor, cache: KVCache, slot: int, start: int,
+                      exit_layer: int) -> Tensor:
+        """As ``exit_pass`` without the head: the layer-``exit_layer`` residual stream
+        (T, dim) (for a drafter with a head of its own)."""
+        return self._layer_range(self.embed(ids), cache, slot, start, 0, exit_layer, False)[1]
 
     @torch.inference_mode()
     def verify_from(self, h: Tensor, cache: KVCache, slot: int, start: int, layer: int
                     ) -> tuple[Tensor, Tensor]:
         """A chain block's layer-``layer`` residual stream h (T, dim), its rows below
         ``layer`` already cached at [start, start+T) (early exit's reuse), through layers
-        [layer, L) and the head, causal: logits (T, V) and the final residual stream
-        (T, dim), as ``verify_pass`` gives them. Compiled when ``compile()`` was called."""
+        [layer, L) and the head: logits (T, V) and the final residual stream (T, dim), as
+        ``verify_pass`` gives them. Compiled when ``compile()`` was called."""
+        return self._layer_range(h, cache, slot, start, layer, self.config.n_layers, True)
+
+    def _layer_range(self, h: Tensor, cache: KVCache, slot: int, start: int, lo: int,
+                     hi: int, head: bool) -> tuple[Tensor | None, Tensor]:
+        """A causal block's residual stream h (T, dim) through layers [lo, hi), their KV
+        rows written at [start, start+T): (logits (T, V) with ``head``, else None; the
+        block's residual stream after layer hi - 1). Compiled where a graph serves it."""
         T = h.shape[0]
         pos = torch.arange(start, start + T)
         compiled = self.compiled
         if compiled is not None:
-            done = compiled.run(h, pos, layer, self.config.n_layers, cache, slot, start, None,
-                                head=True)
+            done = compiled.run(h, pos, lo, hi, cache, slot, start, None, head=head)
             if done is not None:
                 return done[1], done[0]
-        out = self.run_layers(h[None], pos[None], layer, self.config.n_layers, cache=cache,
-                              slot=slot, start=start, mask=self.block_mask(T, start, None))[0]
-        return self.head(out), out
-
-    @torch.inference_mode()
-    def exit_residual(self, ids: Tensor, cache: KVCache, slot: int, start: int,
-                      exit_layer: int) -> Tensor:
-        """As ``exit_pass`` without the head: the layer-``exit_layer`` residual stream
-        (T, dim) of ids (T,), their KV rows of layers < exit_layer written at
-        [start, start+T) (for a drafter with a head of its own)."""
-        T = ids.shape[0]
-        pos = torch.arange(start, start + T)
-        compiled = self.compiled
-        if compiled is not None:
-            done = compiled.run(self.embed(ids), pos, 0, exit_layer, cache, slot, start,
-                                None, head=False)
-            if done is not None:
-                return done[0]
-        return self.run_layers(self.embed(ids)[None], pos[None], 0, exit_layer, cache=cache,
-                               slot=slot, start=start, mask=self.block_mask(T, start, None))[0]
+        out = self.run_layers(h[None], pos[None], lo, hi, cache=cache, slot=slot, start=start,
+                              mask=self.block_mask(T, start, None))[0]
+        return (self.head(out) if head else None), out
 
     # -- the pieces -----------------------------------------------------------------------
     def embed(self, idx: Tensor) -> Tensor:

@@ -77,6 +77,9 @@ BAD = [  # (request body or raw bytes, status, param)
     (body(stop=[str(i) for i in range(17)]), 400, "stop"),
     (body(speculation="warp_drive"), 400, "speculation.method"),
     (body(speculation={"method": "early_exit", "exit_layer": 9}), 400, "speculation"),
+    (body(speculation={"method": "early_exit", "draft_vocab": 99999}), 400,
+     "speculation.draft_vocab"),  # more ids than the model's vocabulary
+    (body(speculation={"method": "early_exit", "draft_vocab": -1}), 400, "speculation"),
     (body(speculation={"method": "prompt_lookup", "bogus": 1}), 400, "speculation.bogus"),
     (body(speculation=[1]), 400, "speculation"),
     (body(logprobs=21), 400, "logprobs"),  # at most 20 alternatives
