@@ -143,6 +143,11 @@ class CompiledPasses:
             self.gemm_kind = gemm.choose(self.gemm)
         return self._wt
 
+    def built_weights(self) -> dict[str, Tensor] | None:
+        """``transposed_weights`` once a graph has been compiled or loaded here; None
+        before (nothing builds them here: their first build resolves the product)."""
+        return self._wt
+
     def _product_weights(self) -> dict[str, Tensor]:
         """``transposed_weights`` laid out for the product in use (``gemm.pack``)."""
         if self._wt_mm is None:

@@ -203,13 +203,16 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
 
 def head_rows(model: Micro, h: Tensor) -> Tensor:
     """The final norm and head over a few rows (T, dim) between passes (a prompt's last
-    row, once its prefill is done). With compiled passes, the product reads the head's
-    (in, out) copy that every compiled pass reads -- in the caches after a pass, where the
-    eager head's weight is not; eager, ``Micro.head``."""
+    row, once its prefill is done). Once a compiled graph is built or loaded, the product
+    reads the head's (in, out) copy that every compiled pass reads -- in the caches after a
+    pass, where the eager head's weight is not; before that, ``Micro.head`` (building the
+    copies resolves the compiled passes' product, which may build ``nodraft::mm``: seconds
+    a request must never wait on)."""
     compiled = model.compiled
-    if compiled is None:
+    wt = None if compiled is None else compiled.built_weights()
+    if wt is None:
         return model.head(h)
-    return torch.mm(model.norm(h), compiled._weights()["head"])
+    return torch.mm(model.norm(h), wt["head"])
 
 
 def _offsets(segments: list[Segment]) -> list[int]:

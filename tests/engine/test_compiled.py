@@ -321,3 +321,17 @@ def test_the_head_between_passes_reads_the_compiled_copy_and_matches(pair):
         # the copy the graphs read, not the embedding's (out, in) weight
         w = compiled.compiled._weights()["head"]
         assert w.shape == (eager.config.dim, eager.config.vocab_size) and w.is_contiguous()
+
+
+def test_the_head_between_passes_never_resolves_the_product(checkpoint_dir, monkeypatch):
+    """A server's first request meets compiled passes not built yet (eager until they
+    load): its first token's head must not resolve the product, which may build
+    ``nodraft::mm`` on the engine's thread (seconds; a first request once waited 20 s)."""
+    from nodraft.micro.packed import head_rows
+
+    model = load_model("micro", checkpoint_dir).compile(lazy=False)
+    monkeypatch.setattr(gemm, "choose", lambda *a: pytest.fail("the product was resolved"))
+    h = torch.randn(1, model.config.dim, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.equal(head_rows(model, h), model.head(h))
+    assert model.compiled.built_weights() is None
