@@ -8,12 +8,12 @@ layers [E, L) and the head for the whole block (``Draft.reuse`` carries the laye
 residual stream of the first k rows) -- two compiled passes. Without it (the default),
 verification is one pass over the whole block, which writes the same rows again: on micro
 a pass of k + 1 rows costs little more than one of a single row, and measured faster than
-the two passes of the reuse (docs/BENCHMARKS.md, "Early exit's ceiling").
+the two passes of the reuse (docs/BENCHMARKS.md, "Early exit's settings").
 
-The exit's head reads a **draft vocabulary** (FR-Spec, Zhao et al., 2025): the first
-``draft_vocab`` ids of the target's tokens ranked by their frequency in the train split
-(``drafters.draft_vocab``), i.e. that many rows of the tied LM head, not all 4096. A draft
-token is always one of them; verification scores every token with the full head, so the
+With ``draft_vocab`` N the exit's head reads a **draft vocabulary** (FR-Spec, Zhao et al.,
+2025): the first N ids of the target's tokens ranked by their frequency in the train split
+(``drafters.draft_vocab``), i.e. N rows of the tied LM head, not all 4096. A draft token
+is always one of them; verification scores every token with the full head, so the
 output is what it would be with any head (a token outside the subset is never proposed,
 and is rejected like any other miss). ``draft_vocab`` 0 reads the full head.
 
@@ -21,7 +21,7 @@ Draft cost model (FLOPs, per draft token, in target-pass units):
 ``(E * layer_flops + N * dim) / (L * layer_flops + V * dim)`` -- the first E of L layers
 plus N rows of the head. For micro (width 160, SwiGLU 384, vocabulary 4096) a layer is
 ~287k multiply-adds and the full head ~655k, so with the full head E = 1, 2, 3 cost 0.52,
-0.68 and 0.84; with 512 rows 0.24, 0.40 and 0.56.
+0.68 and 0.84; with 512 rows 0.20, 0.36 and 0.52.
 
 With sampling, draft token x is drawn from the exit's own distribution q (at the request's
 temperature), and q travels with the draft for the min(1, p/q) rule. With a seed, x is drawn

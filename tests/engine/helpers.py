@@ -20,7 +20,8 @@ REGISTRY = Registry()
 METHOD_PARAMS: dict[str, list[dict]] = {
     "none": [{}],
     "prompt_lookup": [{}, {"num_speculative_tokens": 3, "ngram_max": 2, "match": "first"}],
-    "early_exit": [{"exit_layer": 1}, {"exit_layer": 2, "num_speculative_tokens": 5, "reuse_kv": True},
+    "early_exit": [{"exit_layer": 1},
+                   {"exit_layer": 2, "num_speculative_tokens": 5, "reuse_kv": True},
                    {"exit_layer": 3}, {"exit_layer": 3, "reuse_kv": True},
                    {"exit_layer": 1, "num_speculative_tokens": 4, "draft_vocab": 16,
                     "reuse_kv": True}],

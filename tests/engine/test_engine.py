@@ -87,7 +87,8 @@ def test_a_sequence_teaches_its_prices_with_whole_passes_only():
             seen.append((rows, seconds))
 
     reg = Registry()
-    for method, params, whole in (("prompt_lookup", {}, True), ("early_exit", {"exit_layer": 2}, True),
+    for method, params, whole in (("prompt_lookup", {}, True),
+                                  ("early_exit", {"exit_layer": 2}, True),
                                   ("early_exit", {"exit_layer": 2, "reuse_kv": True}, False)):
         seen = []
         table = Recording({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
