@@ -26,10 +26,9 @@ from pathlib import Path
 
 import torch
 
-from nodraft.clients.bench import CATEGORIES, REGIMES, SEED0, build_prompts
+from nodraft.clients.bench import CATEGORIES, build_prompts, regime_sampling
 from nodraft.clients.measure import decode
 from nodraft.drafters.registry import Registry
-from nodraft.engine.verify import SamplingParams
 from nodraft.micro.checkpoint import load_model, load_tokenizer
 
 DEFAULT_SETTINGS = "2,3,0,1;1,1,0,0;2,1,0,0;3,1,0,0;3,2,0,0;3,3,0,0;3,2,0,1;3,2,1024,0;3,2,2048,0"
@@ -48,12 +47,6 @@ def label(s: dict) -> str:
     return (f"E{s['exit_layer']} k{s['num_speculative_tokens']} "
             f"{'N' + str(s['draft_vocab']) if s['draft_vocab'] else 'full head'}"
             f"{' reuse' if s['reuse_kv'] else ''}")
-
-
-def sampling(regime: str, r: int) -> SamplingParams:
-    sp = REGIMES[regime]
-    return sp if sp.greedy else SamplingParams(sp.temperature, sp.top_p, sp.top_k,
-                                               seed=SEED0 + r)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
                 def run(method, params, r):
                     return decode(model, prompt["ids"], args.tokens, method, params,
                                   registry=registry, model_name=args.model,
-                                  sampling=sampling(regime, r), stop_ids=stop)
+                                  sampling=regime_sampling(regime, r), stop_ids=stop)
 
                 for method, params in cases:  # untimed: what each compiles at first use
                     run(method, params, 0)

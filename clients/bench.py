@@ -158,7 +158,9 @@ def loop_share(tokens: list[int], n: int = LOOP_N) -> float:
     return looping / len(tokens) if tokens else 0.0
 
 
-def _sampling(regime: str, repeat: int) -> SamplingParams:
+def regime_sampling(regime: str, repeat: int) -> SamplingParams:
+    """The sampling parameters of ``regime``'s repeat ``repeat``: greedy as it is; sampled
+    with seed SEED0 + repeat (every drafter decodes the same text for it)."""
     sp = REGIMES[regime]
     if sp.greedy:
         return sp
@@ -169,7 +171,7 @@ def measure(model, name: str, prompt: dict, regime: str, method: str, params: di
             tokens: int, repeats: int, registry: Registry) -> dict:
     """One row: ``method`` against ``none`` on one prompt in one regime, alternated."""
     pairs = alternated(model, prompt["ids"], tokens, method, params, repeats, name,
-                       registry=registry, sampling=lambda r: _sampling(regime, r),
+                       registry=registry, sampling=lambda r: regime_sampling(regime, r),
                        stop_ids=frozenset(prompt.get("stop_ids", ())))
     ratios = [b.seconds / run.seconds for b, run in pairs]
     base = [len(b.tokens) / b.seconds for b, _ in pairs]

@@ -163,7 +163,6 @@ class Draft:
         return tree_depths(self.parents.tolist())
 
 
-
 def tree_depths(parents: list[int]) -> list[int]:
     """Each node's depth in a tree given by its parents (-1: the current token; parents
     precede children), 1 for a child of the current token."""
