@@ -2,7 +2,8 @@
 venv; every cache it uses is empty at the start (a temporary folder).
 
     python benchmarks/first_start_methods.py [--kill-after 20] [--seconds 900] [--every 5]
-                                             [--port 8123] [--warm-starts 3] [--json-out FILE]
+                                             [--port 8123] [--warm-starts 3]
+                                             [--other-max-running 64] [--json-out FILE]
 
 1. **Eager reference**: a ``--compile false`` server; each method's 32-token sampled
    completion (temperature 0.8, seeded), the median of 3, so the requests below have a
@@ -17,7 +18,15 @@ venv; every cache it uses is empty at the start (a temporary folder).
    median of its later ones there).
 3. **Warm starts**: that server stopped and a new one started on the same caches, then
    again (``--warm-starts`` in all): when ``/health`` answered and said ``ready``, and each
-   method's first request after that.
+   method's first request after that. After the last one's five: the first request of
+   every drafter on both models (``GRID``), then the same again, against the same pair on
+   the eager server (its first and second, measured in step 1) -- a request that waited
+   on a compiler would take seconds, not milliseconds.
+4. **Another ``--max-running``** (``--other-max-running``; 0 skips it): a server with
+   that many slots on the same caches. Its cache shape is not the one built, so it builds
+   its own passes while serving eagerly; once ready, the first request of every pair of
+   ``GRID``, then a burst of eight concurrent requests (``none`` and ``auto``, several
+   rows a pass) and the same burst again.
 
 One HTTP client per server start, kept: a fresh httpx client per call costs about 60 ms of
 CPU here (its TLS context), which an earlier version counted in every latency, and its
@@ -40,6 +49,11 @@ import time
 import httpx
 
 METHODS = ("none", "prompt_lookup", "early_exit", "eagle", "auto")
+# every drafter on both bundled models: no first request of any of them, once /health
+# says ready, may wait on a compiler
+GRID = tuple((model, method) for model in ("micro", "micro-layerskip")
+             for method in ("none", "prompt_lookup", "suffix", "lookahead", "early_exit",
+                            "medusa", "eagle", "auto"))
 
 
 def start(port: int, env: dict, log, *extra: str) -> subprocess.Popen:
@@ -53,8 +67,9 @@ def stop(server: subprocess.Popen, sig=signal.SIGTERM) -> None:
     server.wait(timeout=60)
 
 
-def complete(client: httpx.Client, url: str, method: str) -> tuple[int | str, float]:
-    body = {"model": "micro-layerskip" if method == "early_exit" else "micro",
+def complete(client: httpx.Client, url: str, method: str,
+             model: str | None = None) -> tuple[int | str, float]:
+    body = {"model": model or ("micro-layerskip" if method == "early_exit" else "micro"),
             "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0.8, "seed": 1,
             "speculation": method}
     t = time.time()
@@ -100,6 +115,35 @@ class Watch:
         return self.answered, self.ready
 
 
+def grid(client: httpx.Client, url: str) -> dict[str, dict[str, float | int | str]]:
+    """Each pair of ``GRID``'s first request on this server, then the same again."""
+    out = {}
+    for model, method in GRID:
+        status, first = complete(client, url, method, model)
+        status2, second = complete(client, url, method, model)
+        out[f"{model}/{method}"] = {"first": first, "second": second,
+                                    "status": status if status != 200 else status2}
+    return out
+
+
+def burst(url: str, n: int = 8) -> tuple[float, list]:
+    """``n`` concurrent completions (``none`` and ``auto`` alternately): the wall time of
+    all, and their statuses."""
+    done: list = [None] * n
+
+    def one(i: int) -> None:
+        with httpx.Client() as c:
+            done[i] = complete(c, url, ("none", "auto")[i % 2])
+
+    t = time.time()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return round(time.time() - t, 3), sorted({str(st) for st, _ in done})
+
+
 def wait_health(url: str, t0: float, until: str | None, timeout: float) -> tuple[float | None, float | None]:
     """(seconds until /health answered, seconds until it said ``until``)."""
     answered = said = None
@@ -122,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--every", type=float, default=5.0)
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--warm-starts", type=int, default=3)
+    p.add_argument("--other-max-running", type=int, default=64)
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
     caches = tempfile.mkdtemp(prefix="nodraft-first-start-")
@@ -142,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             if any(st != 200 for st, _ in runs):
                 raise SystemExit(f"the eager reference failed for {m}: {runs}")
             eager[m] = statistics.median(secs for _, secs in runs)
+        out["eager_grid"] = grid(client, url)
         stop(server)
         out["eager_seconds"], out["eager_first_seconds"] = eager, eager_first
         print("eager reference (s):", eager, "first requests:", eager_first, flush=True)
@@ -189,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
 
         # 3. warm starts on the same caches
         out["warm"] = []
-        for _ in range(args.warm_starts):
+        for i in range(args.warm_starts):
             client = httpx.Client()
             server, t0 = start(args.port, env, log), time.time()
             watch = Watch(url, t0)
@@ -198,12 +244,39 @@ def main(argv: list[str] | None = None) -> None:
             answered, ready = watch.close()
             first = {m: complete(client, url, m) for m in METHODS}
             again = {m: complete(client, url, m)[1] for m in METHODS}
+            every = grid(client, url) if i == args.warm_starts - 1 else None
             stop(server)
             out["warm"].append({"health": answered, "ready": ready,
                                 "first_request": {m: s for m, (_, s) in first.items()},
                                 "second_request": again,
                                 "statuses": sorted({str(st) for st, _ in first.values()})})
             print("warm:", out["warm"][-1], flush=True)
+        if args.warm_starts:
+            out["warm_grid"] = every
+            out["warm_grid_first_over_eager_first"] = {
+                pair: round(r["first"] / out["eager_grid"][pair]["first"], 2)
+                for pair, r in every.items()}
+            print("every drafter after a warm start:", out["warm_grid_first_over_eager_first"],
+                  flush=True)
+
+        # 4. another --max-running: its own passes built, then every first request and bursts
+        if args.other_max_running:
+            client = httpx.Client()
+            slots = str(args.other_max_running)
+            server, t0 = start(args.port, env, log, "--max-running", slots), time.time()
+            watch = Watch(url, t0)
+            while watch.ready is None and time.time() - t0 < args.seconds:
+                time.sleep(0.2)
+            answered, ready = watch.close()
+            other = {"max_running": args.other_max_running, "health": answered,
+                     "ready": ready, "grid": grid(client, url),
+                     "burst": [burst(url), burst(url)]}
+            stop(server)
+            other["grid_first_over_eager_first"] = {
+                pair: round(r["first"] / out["eager_grid"][pair]["first"], 2)
+                for pair, r in other["grid"].items()}
+            out["other_max_running"] = other
+            print("another --max-running:", other, flush=True)
     print(f"caches and log in {caches}")
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -43,11 +43,27 @@ def wheel(tmp_path_factory) -> Path:
     return found
 
 
+PACKAGES = ("micro", "drafters", "engine", "server", "clients")
+
+
+def test_the_wheel_holds_every_module_of_the_checkout(wheel):
+    """Each tracked module of the five folders, subpackages included (``drafters/eagle``
+    was once left out: ``pip install .`` -- the Docker image -- had no EAGLE), is in the
+    wheel; ``clients/examples`` are scripts, run from a checkout."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tracked = subprocess.run(["git", "ls-files", *PACKAGES], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    modules = [m for m in tracked if m.endswith(".py") and not m.startswith("clients/examples/")]
+    assert any("/" in m.split("/", 1)[1] for m in modules)  # subpackages are among them
+    missing = [m for m in modules if f"nodraft/{m}" not in names]
+    assert not missing, f"modules left out of the wheel (pyproject.toml's packages): {missing}"
+
+
 def test_the_wheel_installs_one_namespace_with_its_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"nodraft"}
-    for package in ("micro", "drafters", "engine", "server", "clients"):
+    for package in PACKAGES:
         assert f"nodraft/{package}/__init__.py" in names
     assert "nodraft/micro/checkpoints/micro.safetensors" in names
     assert "nodraft/micro/checkpoints/tokenizer.json" in names
@@ -65,7 +81,11 @@ def test_installed_modules_are_not_bare_top_level_names(wheel, tmp_path):
     # -S: no site module, so no .pth file (an editable install's finder) is read; the
     # dependencies come from this interpreter's site-packages, nodraft only from the wheel
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]])}
+    # every registered drafter's class imports from the wheel (EAGLE's subpackage among them)
     script = ("import importlib.util, nodraft.server.cli, nodraft.micro.checkpoint as c\n"
+              "from nodraft.drafters.registry import Registry\n"
+              "r = Registry()\n"
+              "assert r.names() and all(r.drafter_class(n) for n in r.names()), r.names()\n"
               "print(nodraft.server.cli.__file__)\n"
               "print(c.load_tokenizer(c.CHECKPOINT_DIR / 'tokenizer.json').encode('def f')[:1])\n"
               "print([n for n in ('server', 'micro', 'drafters', 'engine', 'clients')"
