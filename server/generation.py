@@ -198,9 +198,19 @@ class Run:
         return all(c.done for c in self.choices)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Each choice's deltas as the engine reports them, until every choice is done."""
+        """Each choice's deltas as the engine reports them, until every choice is done.
+
+        A choice's steps that are already waiting when one is read -- the engine stepped
+        faster than this request's response is written -- become one delta, up to and
+        including the first with a rejected draft (vLLM's output collector merges deltas
+        the same way): the text is the same, in fewer chunks, so a reader that falls
+        behind costs the server less per token, not more."""
+        pending: tuple[int, Event] | None = None
         while not self.finished:
-            index, ev = await self.queue.get()
+            if pending is None:
+                index, ev = await self.queue.get()
+            else:
+                (index, ev), pending = pending, None
             c = self.choices[index]
             if ev.kind == "admit":
                 continue
@@ -208,7 +218,16 @@ class Run:
                 if self.echo and not c.echoed:
                     c.echoed = True
                     yield self._echo(c, ev.step.prompt_logprobs)
-                yield self._step(c, ev)
+                steps = [ev.step]
+                # a step with a rejected draft ends a delta: the chunk's ``rejected`` is
+                # what its last token replaced (the playground shows it there)
+                while not steps[-1].rejected and not self.queue.empty():
+                    nxt = self.queue.get_nowait()
+                    if nxt[0] != index or nxt[1].kind != "step":
+                        pending = nxt
+                        break
+                    steps.append(nxt[1].step)
+                yield self._steps(c, steps)
             elif ev.kind == "finish":
                 c.done, c.stats = True, ev.stats
                 c.finish_reason = c.finish_reason or ev.finish_reason
@@ -221,19 +240,22 @@ class Run:
                 self.cancel()
                 raise GenerationFailed(ev.error or "generation failed")
 
-    def _step(self, c: Choice, ev: Event) -> Delta:
-        step = ev.step
+    def _steps(self, c: Choice, steps: list) -> Delta:
+        """One delta for one or more consecutive steps of a choice."""
         if c.stream.stopped:  # cancelled at a stop string; the engine had already stepped
             return Delta(c.index, "")
-        lps = step.logprobs or [None] * len(step.tokens)
-        c.stream.feed(step.tokens, [("accepted" if i < step.n_accepted else "bonus", lps[i])
-                                    for i in range(len(step.tokens))])
+        rejected = []
+        for step in steps:
+            lps = step.logprobs or [None] * len(step.tokens)
+            c.stream.feed(step.tokens, [("accepted" if i < step.n_accepted else "bonus", lps[i])
+                                        for i in range(len(step.tokens))])
+            rejected += [{"id": t,
+                          "text": self.tokenizer.token_bytes(t).decode("utf-8", "replace")}
+                         for t in step.rejected]
         text = c.stream.release()
         if c.stream.stopped:
             c.finish_reason = "stop"
             self.client.abort(c.rid)
-        rejected = [{"id": t, "text": self.tokenizer.token_bytes(t).decode("utf-8", "replace")}
-                    for t in step.rejected]
         taken = c.stream.take()
         return Delta(c.index, text, self._origins(taken), rejected,
                      logprobs=self._logprobs(c, taken))

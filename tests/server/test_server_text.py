@@ -221,3 +221,76 @@ def test_serve_help(capsys):
                  "--body-timeout-seconds", "--keep-alive-seconds", "--max-connections"):
         assert flag in out
     assert "KV slots per model" in " ".join(out.split())  # what --max-running bounds
+
+
+# -- a request's deltas (``Run.deltas``) ------------------------------------------------------
+class FakeClient:
+    """Stands in for the engine client: ids for submitted requests, aborts recorded."""
+
+    def __init__(self):
+        self.aborted: list[int] = []
+        self.next = 0
+
+    def submit(self, request, deliver):
+        self.next += 1
+        return self.next
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+def run_deltas(steps: list[tuple[bytes, bytes]], stops: list[str], read_every: int | None):
+    """A one-choice ``Run`` fed ``steps`` ((emitted bytes, rejected bytes) each, as
+    byte-tokens), then a finish; ``read_every`` steps queued between reads (None: every
+    step queued before the first read, as when the reader fell far behind). Returns the
+    deltas and the tokens counted as returned."""
+    import asyncio
+
+    from nodraft.engine.core import Event, GenerationRequest
+    from nodraft.engine.sequence import StepResult
+    from nodraft.server.generation import Run
+
+    async def go():
+        run = Run(FakeClient(), ByteTokens(), [GenerationRequest("m", [1], 64)], stops)
+        run.start()
+        events = [Event("step", StepResult(list(t), 0, list(r), list(r), "none"))
+                  for t, r in steps] + [Event("finish", finish_reason="length")]
+        out, it = [], run.deltas()
+        if read_every is None:
+            for ev in events:
+                run.queue.put_nowait((0, ev))
+            out = [d async for d in it]
+        else:
+            for i in range(0, len(events), read_every):
+                for ev in events[i:i + read_every]:
+                    run.queue.put_nowait((0, ev))
+                while not run.queue.empty() and not run.finished:
+                    out.append(await it.__anext__())
+            out += [d async for d in it]
+        return out, run.completion_tokens
+
+    return asyncio.run(go())
+
+
+def test_steps_waiting_together_become_one_delta_up_to_a_rejected_draft():
+    steps = [(b"ab", b""), (b"c", b""), (b"d", b"xy"), (b"e", b""), (b"f", b"")]
+    merged, n = run_deltas(steps, [], None)
+    assert [d.text for d in merged] == ["abcd", "ef", ""]  # the finish's delta closes it
+    assert [[r["text"] for r in d.rejected] for d in merged[:2]] == [["x", "y"], []]
+    assert [t["text"] for t in merged[0].tokens] == list("abcd") and n == 6
+    one, n1 = run_deltas(steps, [], 1)  # read as each step arrives: a delta per step
+    assert [d.text for d in one] == ["ab", "c", "d", "e", "f", ""] and n1 == n
+
+
+@given(st.lists(st.tuples(st.binary(min_size=1, max_size=4), st.binary(max_size=2)),
+                min_size=1, max_size=12),
+       st.lists(st.sampled_from(["ab", "\x00", "zz", "é"]), max_size=2),
+       st.sampled_from([None, 1, 2, 3]))
+def test_merged_deltas_return_what_one_delta_per_step_returns(steps, stops, read_every):
+    """However many steps wait together, the text, the tokens returned and where a stop
+    string cuts them are those of one delta per step."""
+    merged, n = run_deltas(steps, stops, read_every)
+    one, n1 = run_deltas(steps, stops, 1)
+    assert "".join(d.text for d in merged) == "".join(d.text for d in one)
+    assert n == n1
+    assert [t for d in merged for t in d.tokens] == [t for d in one for t in d.tokens]
