@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
                                Histogram, ProcessCollector, generate_latest)
@@ -122,6 +123,16 @@ class Metrics:
             "nodraft_drafter_errors", "Drafter exceptions contained by the engine (the step "
             "fell back to plain decoding).", ["method"], registry=r)
         self._progress: dict[int, _Progress] = {}
+        # each metric's child per label values, looked up once: ``labels()`` takes a lock
+        # and builds its key, ~10 times a step otherwise (children are never removed)
+        self._children: dict[tuple, Any] = {}
+
+    def _child(self, metric, *labels: str):
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     # -- the API's side ----------------------------------------------------------------------
     def count_request(self, endpoint: str, method: str, status: int) -> None:
@@ -163,17 +174,17 @@ class Metrics:
         if step.tokens:
             now = time.monotonic()
             n = len(step.tokens)
-            self.generation_tokens.labels(model, step.method).inc(n)
+            self._child(self.generation_tokens, model, step.method).inc(n)
             if progress.last_token_at is None:
-                self.ttft.labels(model, step.method).observe(now - progress.submitted)
+                self._child(self.ttft, model, step.method).observe(now - progress.submitted)
             else:
                 per_token = (now - progress.last_token_at) / n
-                itl = self.itl.labels(model, step.method)
+                itl = self._child(self.itl, model, step.method)
                 for _ in range(n):
                     itl.observe(per_token)
             progress.last_token_at = now
         if progress.request.method == "auto":
-            self.auto_choices.labels(model, step.method).inc()
+            self._child(self.auto_choices, model, step.method).inc()
         after = replace(progress.seen.get(step.method) or SpecStats(step.method))
         after.accepted_by_position = list(after.accepted_by_position)
         after.record(len(step.draft), step.accepted, step.cost, step.plain_seconds,
@@ -185,21 +196,21 @@ class Metrics:
         """Add what one method's figures gained since the last export."""
         before = progress.seen.get(method) or SpecStats(method)
         labels = (progress.request.model, method)
-        _inc(self.draft_tokens.labels(*labels), now.drafted - before.drafted)
-        _inc(self.accepted_tokens.labels(*labels), now.accepted - before.accepted)
-        _inc(self.target_passes.labels(*labels), now.target_passes - before.target_passes)
-        _inc(self.draft_cost.labels(*labels), now.draft_cost - before.draft_cost)
-        _inc(self.plain_seconds.labels(*labels), now.plain_seconds - before.plain_seconds)
-        _inc(self.verify_seconds.labels(*labels), now.verify_seconds - before.verify_seconds)
-        _inc(self.draft_seconds.labels(*labels), now.draft_seconds - before.draft_seconds)
+        _inc(self._child(self.draft_tokens, *labels), now.drafted - before.drafted)
+        _inc(self._child(self.accepted_tokens, *labels), now.accepted - before.accepted)
+        _inc(self._child(self.target_passes, *labels), now.target_passes - before.target_passes)
+        _inc(self._child(self.draft_cost, *labels), now.draft_cost - before.draft_cost)
+        _inc(self._child(self.plain_seconds, *labels), now.plain_seconds - before.plain_seconds)
+        _inc(self._child(self.verify_seconds, *labels), now.verify_seconds - before.verify_seconds)
+        _inc(self._child(self.draft_seconds, *labels), now.draft_seconds - before.draft_seconds)
         old = before.accepted_by_position
         for pos, count in enumerate(now.accepted_by_position):
             gained = count - (old[pos] if pos < len(old) else 0)
-            _inc(self.accepted_per_position.labels(*labels, str(pos)), gained)
+            _inc(self._child(self.accepted_per_position, *labels, str(pos)), gained)
         progress.seen[method] = now
 
     def _errors(self, progress: _Progress, errors: int) -> None:
-        _inc(self.drafter_errors.labels(progress.request.method), errors - progress.errors)
+        _inc(self._child(self.drafter_errors, progress.request.method), errors - progress.errors)
         progress.errors = max(progress.errors, errors)
 
 
