@@ -17,7 +17,8 @@ micro continues with new text, and the workshop's repeating passage, which it co
 
     python benchmarks/sampling_rules.py [--seeds 10] [--tokens 96] [--temperature 0.8]
                                         [--top-p 1.0] [--models micro,micro-layerskip]
-                                        [--eager] [--json-out FILE.json] [--out FILE.md]
+                                        [--methods none,eagle] [--eager]
+                                        [--json-out FILE.json] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", default="micro,micro-layerskip")
+    p.add_argument("--methods", default=None,
+                   help="methods to measure, comma-separated (default: all; `none` always)")
     p.add_argument("--eager", action="store_true", help="eager passes (default: compiled)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--out", default=None)
@@ -158,13 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     texts = heldout_prompts(args.prompts)
     prompts = [tok.encode(t) for t in texts.values()]
     reg = Registry()
+    wanted = None if args.methods is None else {"none", *args.methods.split(",")}
+    methods = [(m, p) for m, p in METHODS if wanted is None or m in wanted]
     rows, paired = [], []
     for name in (m.strip() for m in args.models.split(",") if m.strip()):
         model = load_model(name, CHECKPOINT_DIR).compile(not args.eager)
-        for method, params in METHODS:  # an untimed warm-up decode compiles its graphs
+        for method, params in methods:  # an untimed warm-up decode compiles its graphs
             decode(model, name, prompts[0], 16, method, params,
                    SamplingParams(args.temperature, seed=0), reg, {})
-        for method, params in METHODS:
+        for method, params in methods:
             row = measure(model, name, prompts, method, params, args, reg)
             rows.append(row)
             a, b = row["seeded"], row["unseeded"]
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"tok/pass {_f(a['tokens_per_pass'])}/{_f(b['tokens_per_pass'])} "
                   f"tok/s x{row['tokens_per_s_ratio']:.3f}", file=sys.stderr)
         model.compile(False)  # the paired figures need eager passes with hidden states
-        for E in (1, 2, 3):
+        for E in (1, 2, 3) if any(m == "early_exit" for m, _ in methods) else ():
             r = paired_exit_acceptance(model, prompts, args.tokens,
                                        {"temperature": args.temperature, "top_p": args.top_p}, E)
             paired.append({"model": name, **r})

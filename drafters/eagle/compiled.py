@@ -40,6 +40,7 @@ class CompiledDraft:
         self._fns: dict[tuple, object] = {}
         self._ready: set[tuple] = set()
         self._inv_t: dict[tuple, Tensor] = {}  # 1 / temperature as a graph input, by value
+        self._zeros: dict[tuple, Tensor] = {}  # a chain's noise for the argmax, by shape
         # graphs built ahead of time: saved beside the target's (an artifact build) and
         # loaded from there, in a folder of this head's own
         from nodraft.micro.compiled import Precompiled
@@ -95,12 +96,14 @@ class CompiledDraft:
         return fn
 
     def step(self, h: Tensor, next_tokens: Tensor, st: "EagleState", a: int,
-             depth: int, top_k: int, keep: int, inv_t: float, lazy: bool | None = None
-             ) -> tuple[Tensor, Tensor] | None:
+             depth: int, top_k: int, keep: int, inv_t: float, lazy: bool | None = None,
+             noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Rows [a, a + T) of the draft cache from the target's pre-norm hidden rows h
         (T, dim) and the tokens after them, then the tree. Returns (draft token ids, parent
-        indices) with the catch-up's keys and values written and ``st`` advanced; None when
-        this shape is not compiled yet (the caller drafts eager)."""
+        indices, a chain's scaled draft logits (keep, N) or None for a tree) with the
+        catch-up's keys and values written and ``st`` advanced; None when this shape is not
+        compiled yet (the caller drafts eager). ``noise`` (min(keep, depth), N): a chain's
+        Gumbel noise per level (None: zeros, the argmax)."""
         T = h.shape[0]
         # views into a longer tensor carry a storage offset, which dynamo guards on: inputs
         # start at offset 0 always, as the warm-up's do, so no request recompiles the graph
@@ -125,6 +128,14 @@ class CompiledDraft:
             if len(self._inv_t) < 64:  # requests' temperatures are few; do not grow unbounded
                 self._inv_t[(inv_t, h.dtype)] = scale
         args = (h, next_tokens, pos, k_past, v_past, mask, scale)
+        if min(top_k, self.loaded.w_draft_t.shape[1]) == 1:  # a chain: its noise too
+            if noise is None:  # one row per level of the chain: min(keep, depth)
+                zkey = (min(keep, depth), h.dtype)
+                noise = self._zeros.get(zkey)
+                if noise is None:
+                    noise = self._zeros[zkey] = torch.zeros(
+                        zkey[0], self.loaded.w_draft_t.shape[1], dtype=h.dtype)
+            args += (noise,)
         aot = self.precompiled.fns.get(shape)
         if aot is None and fresh and self.precompiled.export_to is not None:  # a build
             aot = self.precompiled.compile(
@@ -137,15 +148,15 @@ class CompiledDraft:
             if got is None:  # refused by its guards: eager from now on
                 self._ready.discard(shape)
                 return None
-            tokens, parents, root, k_new, v_new = got
         else:
-            tokens, parents, root, k_new, v_new = self._fn(depth, top_k, keep)(*args)
+            got = self._fn(depth, top_k, keep)(*args)
+        tokens, parents, root, k_new, v_new = got[:5]
         if fresh:
             self._ready.add(shape)
         st.k[:, a:a + T] = k_new
         st.v[:, a:a + T] = v_new
         st.rows, st.root = a + T, root
-        return tokens, parents
+        return tokens, parents, (got[5] if len(got) > 5 else None)
 
 
 # The target's options, and C++ in place of the Python wrapper around the graph's kernels:
@@ -193,14 +204,17 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
         return attend_layer(x, cos, sin, k_past, v_past, mask, w, mm)
 
     def chain(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
-              mask: Tensor | None, inv_t: Tensor):
-        """top_k = 1: each level's one node is its parent's argmax (the temperature does
-        not move an argmax), and the kept nodes are the chain's first ``keep``."""
+              mask: Tensor | None, inv_t: Tensor, noise: Tensor):
+        """top_k = 1: each level's one node is the argmax of its draft logits over the
+        temperature plus that level's row of ``noise`` (keep, N): zeros for the argmax
+        (greedy, seeded), standard Gumbel noise for a draw from q; the kept nodes are the
+        chain's first ``keep``, returned with each level's scaled logits (keep, N)."""
         out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
         T = h.shape[0]
         root = out[-1:]
         y = mm(root, w_next)  # the root's draft logits and the next level's feature half
-        idx = y[:, :N].argmax(-1)  # (1,)
+        scaled = [y[:, :N] * inv_t]
+        idx = (scaled[0] + noise[:1]).argmax(-1)  # (1,)
         tokens = [idx]
         for level in range(2, keep + 1):
             x = tok_proj_draft[idx] + y[:, N:]
@@ -210,10 +224,12 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
             f_feat, k_l, v_l = attend_layer(x, c, s, k_past, v_past, None, w, mm, k_blk, v_blk)
             k_blk, v_blk = torch.cat([k_blk, k_l], dim=1), torch.cat([v_blk, v_l], dim=1)
             y = mm(f_feat, w_next if level < keep else w_draft_t)
-            idx = y[:, :N].argmax(-1)
+            scaled.append(y[:, :N] * inv_t)
+            idx = (scaled[-1] + noise[level - 1:level]).argmax(-1)
             tokens.append(idx)
         parents = torch.arange(-1, keep - 1)
-        return vocab[torch.cat(tokens)], parents, root[0], k_blk[:, :T], v_blk[:, :T]
+        return (vocab[torch.cat(tokens)], parents, root[0], k_blk[:, :T], v_blk[:, :T],
+                torch.cat(scaled))
 
     def core(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
              mask: Tensor | None, inv_t: Tensor):

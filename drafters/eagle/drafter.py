@@ -23,10 +23,21 @@ node's score is the sum of the draft log-probabilities along its path::
              first.
 
 So a step costs ``depth`` forwards of the layer whatever ``top_k`` is (draft cost:
-``depth * head.forward_cost``). Under sampling the tree is the same deterministic top-k tree
-(scored at the request's temperature) and travels with ``q = None``: verification's sibling
-rule (``engine.verify``) accepts child x with the target's p(x), zeroes it and renormalises
-on rejection -- lossless for any deterministic tree.
+``depth * head.forward_cost``). Under sampling:
+
+- **unseeded, a chain** (``top_k`` 1, the default): each level's token is drawn from the
+  head's q at the request's temperature (Gumbel-max: the argmax of the scaled logits plus
+  standard Gumbel noise from the request's generator, inside the compiled step), and q
+  travels with the draft, so verification's min(1, p/q) rule accepts it with
+  sum min(p, q) -- more often than the argmax's p(argmax q) (docs/LOG.md, 2026-12-04);
+- **seeded, or a tree**: the same deterministic top-k tree (scored at the request's
+  temperature) with ``q = None``: the sibling rule (``engine.verify``) accepts child x with
+  the target's p(x), zeroes it and renormalises on rejection; seeded, the race decides. A
+  seeded draw coupled with the race's noise would be kept more often still, but that noise
+  is hashed outside the compiled step.
+
+Lossless either way: the rejection rule is for any q the token was drawn from, the sibling
+rule for any deterministic tree.
 
 The draft vocabulary (EAGLE-3's idea): the head reads only the N most frequent tokens of the
 train split (``draft_vocab`` in the weights), mapped back to target ids; tokens outside it
@@ -37,6 +48,7 @@ behind N, are in docs/BENCHMARKS.md ("EAGLE").
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,6 +279,13 @@ class Eagle(DrafterBase):
         self._ingest(ctx, st)
         depth = min(p.depth, budget)
         inv_t = 1.0 / ctx.temperature if ctx.temperature >= 0.05 else 1.0
+        N = L.w_draft_t.shape[1]
+        # unseeded sampling, a chain: each level's token drawn from q (Gumbel-max over this
+        # noise), q sent for the rejection rule (seeded: the argmax chain, q = None)
+        noise = None
+        if ctx.temperature >= 0.05 and ctx.draw is None and min(p.top_k, N) == 1:
+            noise = torch.empty(p.depth, N, dtype=L.w_draft_t.dtype).exponential_(
+                generator=ctx.generator).log_().neg_()
         if st.rows < n:
             h = self._take_pending(ctx, st)
             cd = self._compiled_draft(m)
@@ -277,17 +296,32 @@ class Eagle(DrafterBase):
                     h = h[split:]
                 a = st.rows
                 done = cd.step(h, torch.tensor(ctx.tokens[a + 1:n + 1]), st, a, p.depth,
-                               p.top_k, p.total_tokens - 1, inv_t)
+                               p.top_k, p.total_tokens - 1, inv_t, noise=None if noise is None
+                               else noise[:min(p.depth, p.total_tokens - 1)])
                 if done is not None:  # near the end of a request: its first ``budget`` nodes
-                    return self._draft(*done, p.depth * L.cost_per_forward).prefix(budget)
+                    tokens, parents, scaled = done
+                    q = None if noise is None else self._q(scaled.softmax(-1))
+                    return self._draft(tokens, parents, p.depth * L.cost_per_forward,
+                                       q).prefix(budget)
             self._catch_up(ctx, st, h)
 
         def log_q(feats: Tensor) -> Tensor:  # draft log-probabilities over the draft vocab
             logits = feats @ L.w_draft_t
             return (logits if inv_t == 1.0 else logits * inv_t).log_softmax(-1)
 
+        q_rows: list[Tensor] = []
+
+        def children(lq: Tensor, level: int) -> tuple[Tensor, Tensor]:
+            """(scores, indices) of a node's children: its top_k, or, drawing from q, the
+            one the level's noise picks (the compiled chain's argmax)."""
+            if noise is None:
+                return lq.topk(min(p.top_k, N), dim=-1)
+            q_rows.append(lq.reshape(1, N))
+            i = (lq + noise[level - 1]).argmax(-1, keepdim=True)
+            return lq.gather(-1, i), i
+
         # level 1: the root's top_k children; they are the first frontier
-        score, idx = log_q(st.root).topk(min(p.top_k, L.w_draft_t.shape[1]))
+        score, idx = children(log_q(st.root), 1)
         tokens, scores, frontiers = [idx], [score], []
         f_idx, f_score, f_feat = idx, score, st.root.expand(idx.numel(), -1)
         f_nodes = torch.arange(idx.numel())  # the frontier's global node indices
@@ -302,7 +336,7 @@ class Eagle(DrafterBase):
                                            dim=1), x.dtype)
             out = self.layer.forward(x[None], m.rope_cos[at], m.rope_sin[at], (st.k, st.v),
                                      n + used, mask)[0]
-            c_score, c_idx = log_q(out).topk(min(p.top_k, L.w_draft_t.shape[1]), dim=-1)
+            c_score, c_idx = children(log_q(out), level)
             cum = (f_score[:, None] + c_score).flatten()  # (kf * k,) path log-probabilities
             c_idx = c_idx.flatten()
             tokens.append(c_idx)
@@ -315,8 +349,17 @@ class Eagle(DrafterBase):
                 anc = torch.cat([anc, eye], dim=1)[row]
             total += cum.numel()
             used += kf
-        return self._rerank(tokens, scores, frontiers, min(p.total_tokens - 1, budget),
-                            depth * L.cost_per_forward)
+        draft = self._rerank(tokens, scores, frontiers, min(p.total_tokens - 1, budget),
+                             depth * L.cost_per_forward)
+        if noise is None:
+            return draft
+        # a chain keeps its first nodes: their q rows are the first rows drawn
+        return dataclasses.replace(draft, probs=self._q(torch.cat(q_rows)[:len(draft)].exp()))
+
+    def _q(self, rows: Tensor) -> Tensor:
+        """(k, V) draft distributions from (k, N) ones over the draft vocabulary."""
+        q = torch.zeros(rows.shape[0], self.loaded.model.config.vocab_size, dtype=rows.dtype)
+        return q.index_copy_(1, self.draft_vocab, rows)
 
     def _rerank(self, tokens: list[Tensor], scores: list[Tensor], frontiers: list[Tensor],
                 keep: int, cost: float) -> Draft:
@@ -339,9 +382,9 @@ class Eagle(DrafterBase):
         return self._draft(self.draft_vocab[torch.cat(tokens)[sel]], parents, cost)
 
     @staticmethod
-    def _draft(tokens: Tensor, parents: Tensor, cost: float) -> Draft:
+    def _draft(tokens: Tensor, parents: Tensor, cost: float, q: Tensor | None = None) -> Draft:
         chain = bool((parents == torch.arange(-1, parents.numel() - 1)).all())
-        return Draft(tokens, None if chain else parents, None, cost=cost)
+        return Draft(tokens, None if chain else parents, q, cost=cost)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         if ctx.n_cached:

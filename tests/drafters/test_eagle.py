@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
 from nodraft.drafters.base import DraftContext
 from nodraft.drafters.eagle import Eagle, features, load_head_state, write_untrained
@@ -304,6 +305,57 @@ def test_the_compiled_draft_step_is_the_eager_one(env, compiled_env, params):
             drafter.observe(ctx, accepted)
     cd = compiled._compiled_draft(compiled_env.model)
     assert {(s[3]) for s in cd._ready} == {False, True}  # both catch-up graphs ran
+
+
+def test_unseeded_sampling_draws_the_chain_from_q_compiled_as_eager(env, compiled_env):
+    """Unseeded sampling: each level's token is drawn from the head's q at the request's
+    temperature (Gumbel-max over noise from the request's generator), and q travels with
+    the draft for the rejection rule; the compiled draft step draws what the eager one
+    draws from the same noise, with the same q. Seeded, the chain stays the argmax."""
+    params = Eagle.Params()
+    prompt = [7, 1, 30, 22, 5, 5, 61, 40, 9]
+    eager, compiled = Eagle(params, env), Eagle(params, compiled_env)
+    ctx_e, ctx_c = prefilled(prompt), prefilled(prompt)
+    ctx_c.model = compiled_env.model
+    for ctx in (ctx_e, ctx_c):
+        ctx.temperature, ctx.generator = 0.8, torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        de, dc = eager.propose(ctx_e, 64), compiled.propose(ctx_c, 64)
+        assert as_lists(dc) == as_lists(de), step
+        assert de.probs is not None and de.probs.shape == (len(de), TINY.vocab_size)
+        torch.testing.assert_close(dc.probs, de.probs)
+        torch.testing.assert_close(de.probs.sum(-1), torch.ones(len(de), dtype=de.probs.dtype))
+        assert bool((de.probs[torch.arange(len(de)), de.tokens] > 0).all())
+        accepted = [] if step % 2 == 0 else de.tokens[:2].tolist()
+        bonus = int(torch.randint(0, TINY.vocab_size, (1,), generator=gen))
+        for ctx, drafter in ((ctx_e, eager), (ctx_c, compiled)):
+            commit(ctx, accepted, bonus)
+            drafter.observe(ctx, accepted)
+    seeded = prefilled(prompt)
+    seeded.temperature, seeded.draw = 0.8, lambda logits, t: int(logits.argmax())
+    assert Eagle(params, env).propose(seeded, 64).probs is None
+
+
+def test_the_sampled_chains_first_token_follows_q(env):
+    """The first draft token, drawn afresh from one context 400 times, is distributed as
+    the q the draft reports (chi-square)."""
+    params = Eagle.Params(depth=1, total_tokens=2)
+    prompt = [7, 1, 30, 22, 5, 5, 61, 40, 9]
+    counts, q = torch.zeros(TINY.vocab_size), None
+    for i in range(400):
+        ctx = prefilled(prompt)
+        ctx.temperature, ctx.generator = 1.0, torch.Generator().manual_seed(i)
+        draft = Eagle(params, env).propose(ctx, 64)
+        counts[int(draft.tokens[0])] += 1
+        q = draft.probs[0] if q is None else q
+        torch.testing.assert_close(draft.probs[0], q)
+    expected = q.double() * 400
+    keep = expected >= 5  # pool the rare tokens
+    obs = torch.cat([counts.double()[keep], counts.double()[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    assert int(keep.sum()) >= 2
+    assert chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
 
 
 def test_the_compiled_draft_keeps_its_first_nodes_near_the_end(env, compiled_env):
