@@ -18,10 +18,11 @@ venv; every cache it uses is empty at the start (a temporary folder).
    median of its later ones there).
 3. **Warm starts**: that server stopped and a new one started on the same caches, then
    again (``--warm-starts`` in all): when ``/health`` answered and said ``ready``, and each
-   method's first request after that. After the last one's five: the first request of
-   every drafter on both models (``GRID``), then the same again, against the same pair on
-   the eager server (its first and second, measured in step 1) -- a request that waited
-   on a compiler would take seconds, not milliseconds.
+   method's first request after that. After the last one's five: a request of every
+   drafter on both models (``GRID``: each pair's first on that server but for the five
+   above), then the same again, against the same pair on the eager server (measured the
+   same way in step 1) -- a request that waited on a compiler would take seconds, not
+   milliseconds.
 4. **Another ``--max-running``** (``--other-max-running``; 0 skips it): a server with
    that many slots on the same caches. Its cache shape is not the one built, so it builds
    its own passes while serving eagerly; once ready, the first request of every pair of
