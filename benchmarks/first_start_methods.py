@@ -127,6 +127,11 @@ def grid(client: httpx.Client, url: str) -> dict[str, dict[str, float | int | st
     return out
 
 
+def over_eager(pairs: dict, eager: dict) -> dict[str, float]:
+    """Each pair's first request over the same pair's on the eager server."""
+    return {pair: round(r["first"] / eager[pair]["first"], 2) for pair, r in pairs.items()}
+
+
 def burst(url: str, n: int = 8) -> tuple[float, list]:
     """``n`` concurrent completions (``none`` and ``auto`` alternately): the wall time of
     all, and their statuses."""
@@ -254,9 +259,7 @@ def main(argv: list[str] | None = None) -> None:
             print("warm:", out["warm"][-1], flush=True)
         if args.warm_starts:
             out["warm_grid"] = every
-            out["warm_grid_first_over_eager_first"] = {
-                pair: round(r["first"] / out["eager_grid"][pair]["first"], 2)
-                for pair, r in every.items()}
+            out["warm_grid_first_over_eager_first"] = over_eager(every, out["eager_grid"])
             print("every drafter after a warm start:", out["warm_grid_first_over_eager_first"],
                   flush=True)
 
@@ -273,9 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                      "ready": ready, "grid": grid(client, url),
                      "burst": [burst(url), burst(url)]}
             stop(server)
-            other["grid_first_over_eager_first"] = {
-                pair: round(r["first"] / out["eager_grid"][pair]["first"], 2)
-                for pair, r in other["grid"].items()}
+            other["grid_first_over_eager_first"] = over_eager(other["grid"], out["eager_grid"])
             out["other_max_running"] = other
             print("another --max-running:", other, flush=True)
     print(f"caches and log in {caches}")

@@ -102,8 +102,8 @@ class CompiledDraft:
         (T, dim) and the tokens after them, then the tree. Returns (draft token ids, parent
         indices, a chain's scaled draft logits (keep, N) or None for a tree) with the
         catch-up's keys and values written and ``st`` advanced; None when this shape is not
-        compiled yet (the caller drafts eager). ``noise`` (min(keep, depth), N): a chain's
-        Gumbel noise per level (None: zeros, the argmax)."""
+        compiled yet (the caller drafts eager). ``noise`` (>= min(keep, depth), N): a
+        chain's Gumbel noise per level, its first rows used (None: zeros, the argmax)."""
         T = h.shape[0]
         # views into a longer tensor carry a storage offset, which dynamo guards on: inputs
         # start at offset 0 always, as the warm-up's do, so no request recompiles the graph
@@ -128,14 +128,14 @@ class CompiledDraft:
             if len(self._inv_t) < 64:  # requests' temperatures are few; do not grow unbounded
                 self._inv_t[(inv_t, h.dtype)] = scale
         args = (h, next_tokens, pos, k_past, v_past, mask, scale)
-        if min(top_k, self.loaded.w_draft_t.shape[1]) == 1:  # a chain: its noise too
-            if noise is None:  # one row per level of the chain: min(keep, depth)
-                zkey = (min(keep, depth), h.dtype)
-                noise = self._zeros.get(zkey)
+        if min(top_k, self.loaded.w_draft_t.shape[1]) == 1:  # a chain: its noise too,
+            levels = min(keep, depth)  # one row per level (a view at offset 0 of the caller's)
+            if noise is None:
+                noise = self._zeros.get((levels, h.dtype))
                 if noise is None:
-                    noise = self._zeros[zkey] = torch.zeros(
-                        zkey[0], self.loaded.w_draft_t.shape[1], dtype=h.dtype)
-            args += (noise,)
+                    noise = self._zeros[(levels, h.dtype)] = torch.zeros(
+                        levels, self.loaded.w_draft_t.shape[1], dtype=h.dtype)
+            args += (noise[:levels],)
         aot = self.precompiled.fns.get(shape)
         if aot is None and fresh and self.precompiled.export_to is not None:  # a build
             aot = self.precompiled.compile(

@@ -296,8 +296,7 @@ class Eagle(DrafterBase):
                     h = h[split:]
                 a = st.rows
                 done = cd.step(h, torch.tensor(ctx.tokens[a + 1:n + 1]), st, a, p.depth,
-                               p.top_k, p.total_tokens - 1, inv_t, noise=None if noise is None
-                               else noise[:min(p.depth, p.total_tokens - 1)])
+                               p.top_k, p.total_tokens - 1, inv_t, noise=noise)
                 if done is not None:  # near the end of a request: its first ``budget`` nodes
                     tokens, parents, scaled = done
                     q = None if noise is None else self._q(scaled.softmax(-1))
