@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from tests.ports import free_port  # noqa: F401  (the deploy tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -57,12 +58,6 @@ def find_tool(name: str) -> str | None:
     path = os.pathsep.join([os.environ.get("PATH", ""), str(Path(sys.executable).parent),
                             "/usr/sbin", "/sbin"])
     return shutil.which(name, path=path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prometheus_config(targets: list[str], self_port: int, interval: str = "1s") -> dict:

@@ -26,6 +26,7 @@ from nodraft.micro.checkpoint import CHECKPOINT_DIR, MODEL_NAMES, available_mode
 from nodraft.micro.model import Micro, MicroConfig
 from nodraft.server.app import create_app, uvicorn_config
 from nodraft.server.settings import Settings
+from tests.ports import free_port  # noqa: F401  (the server tests import it from here)
 
 MAX_RUNNING, MAX_WAITING = 4, 4  # the session server's admission limits
 
@@ -70,12 +71,6 @@ def serving_checkpoints(tmp: Path) -> Path:
                    tmp)
     shutil.copy(CHECKPOINT_DIR / "tokenizer.json", tmp / "tokenizer.json")
     return tmp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:
