@@ -105,6 +105,10 @@ class Event:
     stats: SpecStats | None = None
     stats_by_method: dict[str, SpecStats] | None = None
     error: str | None = None
+    # a step's ``time.monotonic()`` when the engine delivered it (a clock every process on
+    # the machine shares): the time its tokens were ready, however late another process
+    # reads them
+    at: float | None = None
 
 
 @dataclass
@@ -599,7 +603,9 @@ class Engine:
     def _deliver(self) -> None:
         """The iteration's step events, in order, before any finish is reported."""
         outbox, self._outbox = self._outbox, []
+        now = time.monotonic()
         for handle, event in outbox:
+            event.at = now
             handle.report(event)
 
     def _fail(self, handle: Handle, e: Exception) -> None:

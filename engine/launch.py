@@ -44,8 +44,14 @@ class EngineConfig:
     compile: bool = True  # compiled single-sequence passes, built in the background
     gemm: str = "auto"
     cores: list[int] | None = None  # CPU affinity of the engine process; None: unchanged
+    # CPU affinity of the engine's ZeroMQ I/O thread (it writes every output to the socket);
+    # None: the engine's own cores
+    io_cores: list[int] | None = None
     log_level: str = "info"
     compile_cache: str | None = None  # engine.artifacts' folder; None: its default
+    # s: while sequences run, a step whose request already has a token out waits up to
+    # this long to go to the API with later ones (engine.process.EngineCore); 0: every step
+    stream_interval: float = 0.0
 
 
 @dataclass

@@ -26,6 +26,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -132,6 +133,12 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         torch.set_num_threads(config.threads)
     engine = build_engine(config)
     context = zmq.Context()
+    # ZeroMQ's I/O thread does the socket writes of every output; on the engine's core each
+    # one preempted the engine thread (docs/ARCHITECTURE.md, "The engine core is a process
+    # of its own"): it goes to the API's cores when there are some. Set before the first
+    # socket, which starts the thread.
+    for core in config.io_cores or ():
+        context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
@@ -166,6 +173,9 @@ class EngineCore:
         self.status: tuple[str, str | None] | None = None
         self.load: tuple[int, int] | None = None
         self.stopping = False
+        self.streaming: set[int] = set()  # requests with a token sent
+        self.sent_at = 0.0  # time.monotonic() of the last outputs sent
+        self.iteration_s = 0.0  # how long the last engine iteration took
 
     def run(self) -> None:
         engine = self.engine
@@ -187,7 +197,9 @@ class EngineCore:
                 self._send()
                 return
             if engine.busy:
+                t0 = time.monotonic()
                 engine.run_once()
+                self.iteration_s = time.monotonic() - t0
             elif engine.idle_work():
                 self._send()  # a status that changed (compiled passes ready) goes first
                 engine.idle(pending=lambda: bool(self.poller.poll(0)))
@@ -221,15 +233,33 @@ class EngineCore:
 
     def _send(self) -> None:
         """The events so far, with the queue and compile status; nothing if nothing
-        changed."""
+        changed, or if all that changed is more steps of requests that already have a
+        token out, sequences still run and the next iteration (timed as the last) ends
+        within ``stream_interval`` of the last outputs sent: they go with its outputs.
+
+        Every message wakes the API process's event loop: on the 2-core machines measured,
+        a send per step of one fast stream (~0.4 ms a token) cost the engine ~20% of its
+        tokens/s, most of it in waking the other core rather than in ZeroMQ
+        (docs/BENCHMARKS.md, "Serving"). A request's first token (its time to first
+        token), its end and any error go at once; each step carries the time it was ready
+        (``Event.at``), which the metrics use."""
         status = compiled_status(self.engine, self.config)
         load = self.engine.load
-        if not self.events and status == self.status and load == self.load:
+        events = self.events
+        if not events and status == self.status and load == self.load:
             return
-        events, self.events = self.events, []
+        now = time.monotonic()
+        if (status == self.status and load == self.load and self.engine.busy
+                and now + self.iteration_s - self.sent_at < self.config.stream_interval
+                and all(e.kind == "step" and rid in self.streaming for rid, e in events)):
+            return
+        self.events = []
         for rid, event in events:
-            if event.kind in ("finish", "error"):
+            if event.kind == "step":
+                self.streaming.add(rid)
+            elif event.kind in ("finish", "error"):
                 self.handles.pop(rid, None)
-        self.status, self.load = status, load
+                self.streaming.discard(rid)
+        self.status, self.load, self.sent_at = status, load, now
         self.outbox.send(messages.encode(messages.Outputs(
             events, load[0], load[1], status[0], status[1])))

@@ -159,7 +159,7 @@ class Metrics:
         if event.kind == "admit":
             self.prompt_tokens.labels(model).inc(len(progress.request.prompt))
         elif event.kind == "step":
-            self._step(progress, event.step)
+            self._step(progress, event.step, event.at)
         else:  # finish or error: the request's totals, then its latency
             del self._progress[rid]
             for method, now in (event.stats_by_method or {}).items():
@@ -169,10 +169,12 @@ class Metrics:
             self.e2e.labels(model, progress.request.method).observe(
                 time.monotonic() - progress.submitted)
 
-    def _step(self, progress: _Progress, step) -> None:
+    def _step(self, progress: _Progress, step, at: float | None) -> None:
+        """``at``: when the engine had the step ready (``Event.at``); its arrival here
+        may be later, several steps at once (``--stream-interval-ms``)."""
         model = progress.request.model
         if step.tokens:
-            now = time.monotonic()
+            now = time.monotonic() if at is None else at
             n = len(step.tokens)
             self._child(self.generation_tokens, model, step.method).inc(n)
             if progress.last_token_at is None:

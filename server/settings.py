@@ -73,10 +73,10 @@ class Settings(BaseSettings):
                                  "its own (false: a thread of the API process, sharing its "
                                  "GIL)")
     stream_interval_ms: float = Field(
-        2.0, ge=0, le=100, description="with --engine-process false: while the engine "
-        "thread keeps producing, the event loop collects its events every this many ms "
-        "instead of being woken per engine step (the first token of a quiet spell is never "
-        "held; 0: woken per step)")
+        5.0, ge=0, le=100, description="while sequences run, their steps reach the HTTP "
+        "side at most every this many ms, several at a time, instead of waking it for every "
+        "engine step (a request's first token, its end and any error are never held; the "
+        "figures keep each step's own time); 0: every step at once")
     compile: bool = Field(True, description="compiled single-sequence passes: built once "
                           "per machine by a process of their own (or ahead of time by "
                           "`nodraft compile`) and loaded at start; served eager until "
@@ -101,10 +101,13 @@ class Settings(BaseSettings):
         """The engine's settings (plain data, for the engine process). ``drafters``: the
         API registry's ``targets()``; None: the built-ins and installed plugins, which a
         default ``Registry()`` holds on both sides."""
-        return EngineConfig(str(self.checkpoints), dict(drafters or {}), self.max_running,
-                            self.max_waiting, self.engine_threads, self.compile, self.gemm,
-                            self.cores()[0], self.log_level,
-                            str(self.compile_cache) if self.compile_cache else None)
+        engine_cores, api_cores = self.cores()
+        return EngineConfig(
+            str(self.checkpoints), dict(drafters or {}), max_running=self.max_running,
+            max_waiting=self.max_waiting, threads=self.engine_threads, compile=self.compile,
+            gemm=self.gemm, cores=engine_cores, io_cores=api_cores, log_level=self.log_level,
+            compile_cache=str(self.compile_cache) if self.compile_cache else None,
+            stream_interval=self.stream_interval_ms / 1000)
 
     def cores(self) -> tuple[list[int] | None, list[int] | None]:
         """CPU affinity (engine process, API process). With two or more usable cores and

@@ -35,7 +35,7 @@ def test_events_and_their_figures_come_back_equal():
     events = [
         (1, Event("admit")),
         (1, Event("step", step=StepResult([4, 5, 6], 2, [4, 5, 9], [9], "suffix", 0.0, None,
-                                          2, 1))),
+                                          2, 1), at=12345.678)),
         (2, Event("finish", finish_reason="length", stats=stats,
                   stats_by_method={"suffix": SpecStats("suffix", 9, 4, 3),
                                    "none": SpecStats("none", target_passes=2)})),
@@ -44,3 +44,79 @@ def test_events_and_their_figures_come_back_equal():
     ]
     out = messages.Outputs(events, running=2, waiting=1, compiled="warming")
     assert messages.decode_outputs(messages.encode(out)) == out
+
+
+class _Outbox:
+    def __init__(self):
+        self.sent: list[messages.Outputs] = []
+
+    def send(self, raw: bytes) -> None:
+        self.sent.append(messages.decode_outputs(raw))
+
+
+class _Engine:
+    """What ``EngineCore._send`` reads of an engine."""
+    busy = True
+    load = (1, 0)
+
+
+def _core(interval: float, iteration_s: float = 0.0):
+    from nodraft.engine.launch import EngineConfig
+    from nodraft.engine.process import EngineCore
+
+    core = EngineCore(_Engine(), EngineConfig("unused", compile=False, stream_interval=interval),
+                      None, _Outbox(), 0)
+    core.iteration_s = iteration_s
+    return core
+
+
+def _step(token: int) -> Event:
+    return Event("step", step=StepResult([token], 0, [], [], "none", 0.0, None, 0, 0),
+                 at=float(token))
+
+
+def test_steps_of_a_running_stream_wait_for_the_stream_interval_and_nothing_else_does():
+    core = _core(interval=3600.0)  # every step after the first would wait (an hour)
+    sent = core.outbox.sent
+    core._send()  # the first outputs: the queue and the compile status
+    assert len(sent) == 1 and sent[0].events == []
+    core.events.append((1, Event("admit")))
+    core._send()
+    assert [e.kind for _, e in sent[-1].events] == ["admit"]  # never held
+    core.events.append((1, _step(7)))
+    core._send()
+    assert [e.step.tokens for _, e in sent[-1].events] == [[7]]  # a first token: at once
+    core.events.append((1, _step(8)))
+    core._send()
+    core.events.append((1, _step(9)))
+    core._send()
+    assert len(sent) == 3  # held: request 1 already has a token out
+    core.events.append((2, _step(3)))  # another request's first token takes them along
+    core._send()
+    assert [(rid, e.step.tokens, e.at) for rid, e in sent[-1].events] == [
+        (1, [8], 8.0), (1, [9], 9.0), (2, [3], 3.0)]  # in order, each with its own time
+    core.events.append((2, _step(4)))
+    core._send()
+    assert len(sent) == 4
+    core.engine.load = (2, 1)  # a new queue length goes at once
+    core._send()
+    assert len(sent) == 5 and sent[-1].waiting == 1 and sent[-1].events[0][0] == 2
+    core.events.append((1, _step(10)))
+    core.events.append((1, Event("finish", finish_reason="length")))  # an end: at once
+    core._send()
+    assert [e.kind for _, e in sent[-1].events] == ["step", "finish"]
+    core.events.append((2, _step(5)))
+    core.engine.busy = False  # nothing runs: nothing waits
+    core._send()
+    assert len(sent) == 7 and sent[-1].events[0][1].step.tokens == [5]
+
+
+def test_a_step_waits_only_while_the_next_iteration_ends_within_the_interval():
+    for interval, iteration_s, held in ((0.0, 0.0, False), (3600.0, 0.0, True),
+                                        (3600.0, 7200.0, False)):
+        core = _core(interval, iteration_s)
+        core.events.append((1, _step(1)))
+        core._send()
+        core.events.append((1, _step(2)))
+        core._send()
+        assert len(core.outbox.sent) == (1 if held else 2), (interval, iteration_s)

@@ -93,6 +93,9 @@ def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, 
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         assert list(tmp_path.glob(f"nodraft-engine-{proc.pid}-*"))  # its sockets
         assert not stale.exists() and live.exists()
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 2:  # the engine on the first core, its ZeroMQ I/O thread on the API's
+            assert thread_cores(engine) == {"python": {cores[0]}, "ZMQbg/IO/0": {cores[-1]}}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert not alive(engine)
@@ -103,6 +106,16 @@ def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, 
         proc.wait(timeout=10)
         if engine is not None and alive(engine):
             os.kill(engine, signal.SIGKILL)
+
+
+def thread_cores(pid: int) -> dict[str, set[int]]:
+    """Each thread's name (all but ZeroMQ's reaper) and the cores it may run on."""
+    out: dict[str, set[int]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        name = (task / "comm").read_text().strip()
+        if name != "ZMQbg/Reaper":
+            out.setdefault(name, set()).update(os.sched_getaffinity(int(task.name)))
+    return out
 
 
 def test_a_server_that_cannot_start_frees_the_engine_it_launched(serve_checkpoints, tmp_path):

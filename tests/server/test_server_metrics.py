@@ -143,3 +143,26 @@ def test_promtool_check_metrics(live):
                        text=True, timeout=30)
     assert p.returncode == 0 and p.stdout.strip() == "" and p.stderr.strip() == "", (
         p.stdout + p.stderr)
+
+
+def test_latencies_are_taken_from_when_the_engine_had_each_step():
+    """Steps reach the API process several at a time (``--stream-interval-ms``): time to
+    first token and inter-token latency come from each step's own time (``Event.at``),
+    not from when the message arrived."""
+    from prometheus_client import CollectorRegistry
+
+    from nodraft.engine.core import Event, GenerationRequest
+    from nodraft.engine.sequence import StepResult
+    from nodraft.server.metrics import Metrics
+
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.begin(1, GenerationRequest("micro", [1, 2], 8), submitted=100.0)
+    m.observe(1, Event("admit"))
+    for tokens, at in (([5], 100.25), ([6, 7], 100.75), ([8], 101.0)):  # arriving together
+        m.observe(1, Event("step", step=StepResult(tokens, 0, [], [], "none", 0.0, None, 0, 0),
+                           at=at))
+    labels = {"model": "micro", "method": "none"}
+    assert registry.get_sample_value("nodraft_time_to_first_token_seconds_sum", labels) == 0.25
+    assert registry.get_sample_value("nodraft_inter_token_latency_seconds_count", labels) == 3
+    assert registry.get_sample_value("nodraft_inter_token_latency_seconds_sum", labels) == 0.75

@@ -199,6 +199,10 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     assert Settings(threads=3).cores() == ([0, 1, 2], [7])
     assert Settings(threads=8).cores() == (list(range(8)), None)  # the engine asked for all
     assert Settings(engine_process=False).cores() == (None, None)  # one process: no pinning
+    # the engine's ZeroMQ I/O thread goes to the API's core; steps wait 5 ms by default
+    config = Settings(threads=3).engine_config()
+    assert (config.cores, config.io_cores, config.stream_interval) == ([0, 1, 2], [7], 0.005)
+    assert Settings(stream_interval_ms=0).engine_config().stream_interval == 0
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {3})
     assert Settings().engine_threads == 1 and Settings().cores() == (None, None)
     # the compiled passes' product (micro/gemm.py): auto by default, torch on request
