@@ -237,12 +237,10 @@ class EngineCore:
         token out, sequences still run and the next iteration (timed as the last) ends
         within ``stream_interval`` of the last outputs sent: they go with its outputs.
 
-        Every message wakes the API process's event loop: on the 2-core machines measured,
-        a send per step of one fast stream (~0.4 ms a token) cost the engine ~20% of its
-        tokens/s, most of it in waking the other core rather than in ZeroMQ
-        (docs/BENCHMARKS.md, "Serving"). A request's first token (its time to first
-        token), its end and any error go at once; each step carries the time it was ready
-        (``Event.at``), which the metrics use."""
+        So a fast stream costs the engine a message per interval, not per step (what a
+        message costs it: docs/ARCHITECTURE.md, "The engine core is a process of its
+        own"). A request's first token, its end and any error never wait; each step carries
+        the time it was ready (``Event.at``), which the metrics use."""
         status = compiled_status(self.engine, self.config)
         load = self.engine.load
         events = self.events
