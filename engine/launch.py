@@ -89,6 +89,8 @@ def launch(config: EngineConfig) -> Launched:
     directory = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
     inbox, outbox = f"ipc://{directory}/in", f"ipc://{directory}/out"
     context = zmq.Context()
+    for core in config.io_cores or ():  # the API's cores, where this process goes next
+        context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
     process = multiprocessing.get_context("spawn").Process(
         target=engine_main, name="nodraft-engine", args=(config, inbox, outbox, os.getpid()))
     launched = Launched(config, process, directory, context, context.socket(zmq.PUSH), outbox)

@@ -96,6 +96,8 @@ def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, 
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) >= 2:  # the engine on the first core, its ZeroMQ I/O thread on the API's
             assert thread_cores(engine) == {"python": {cores[0]}, "ZMQbg/IO/0": {cores[-1]}}
+            api = thread_cores(proc.pid)
+            assert api["python"] == api["ZMQbg/IO/0"] == {cores[-1]}, api
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         assert not alive(engine)
