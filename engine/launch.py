@@ -88,9 +88,7 @@ def launch(config: EngineConfig) -> Launched:
     remove_stale_socket_folders()
     directory = tempfile.mkdtemp(prefix=f"{SOCKETS_PREFIX}{os.getpid()}-")
     inbox, outbox = f"ipc://{directory}/in", f"ipc://{directory}/out"
-    context = zmq.Context()
-    for core in config.io_cores or ():  # the API's cores, where this process goes next
-        context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
+    context = io_context(config)  # (this process moves to those cores next)
     process = multiprocessing.get_context("spawn").Process(
         target=engine_main, name="nodraft-engine", args=(config, inbox, outbox, os.getpid()))
     launched = Launched(config, process, directory, context, context.socket(zmq.PUSH), outbox)
@@ -102,6 +100,17 @@ def launch(config: EngineConfig) -> Launched:
         launched.close()
         raise
     return launched
+
+
+def io_context(config: EngineConfig) -> zmq.Context:
+    """A ZeroMQ context whose I/O thread -- it does the socket writes -- runs on the API's
+    cores (``config.io_cores``) when there are some: on the engine's core it preempted the
+    engine thread at every message (docs/ARCHITECTURE.md, "The engine core is a process of
+    its own"). The thread starts with the first socket, after this."""
+    context = zmq.Context()
+    for core in config.io_cores or ():
+        context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
+    return context
 
 
 def remove_stale_socket_folders() -> None:

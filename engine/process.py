@@ -35,7 +35,7 @@ import zmq
 from nodraft.drafters.registry import Registry
 from nodraft.engine import messages
 from nodraft.engine.core import Engine, Event, GenerationRequest, Handle
-from nodraft.engine.launch import EngineConfig
+from nodraft.engine.launch import EngineConfig, io_context
 
 log = logging.getLogger("nodraft.engine")
 
@@ -132,13 +132,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     if config.threads:
         torch.set_num_threads(config.threads)
     engine = build_engine(config)
-    context = zmq.Context()
-    # ZeroMQ's I/O thread does the socket writes of every output; on the engine's core each
-    # one preempted the engine thread (docs/ARCHITECTURE.md, "The engine core is a process
-    # of its own"): it goes to the API's cores when there are some. Set before the first
-    # socket, which starts the thread.
-    for core in config.io_cores or ():
-        context.set(zmq.THREAD_AFFINITY_CPU_ADD, core)
+    context = io_context(config)
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
