@@ -22,17 +22,23 @@ values per token (4096 here; generating them cost more than the target's own pas
 token under load); this one draws ``groups`` plus ``width``, and the within-group noise only
 for the groups a race lands in.
 
+Each argmax is computed without a logarithm, as the exponential race it equals: with
+w_t(v) = exp(l_t(v) / T - max_u l_t(u) / T) (zero where a filter removed v) and E the
+exponentials behind H and G, argmax_g log m + H = argmax_g m(g) / E(g) and argmax_v l / T
++ G = argmax_v w(v) / E(v) (the logarithm is increasing; the row's factor no argmax sees
+cancels). A removed token or an emptied group has weight 0 and never wins.
+
 A drafter with a distribution of its own (early exit's q) draws its proposal by the same
 race over q; it then agrees with the target where both races pick the same group and the
 same token in it: a Gumbel coupling at each level.
 
 Noise: a hash of its name, so it is computed when a race needs it (every row of a packed
-pass at once) and nothing is kept between passes: the group noise at position t is the
-SHAKE256 output of ``race:<seed>:<t>``, the within-group noise of group g that of
+pass at once) and nothing is kept between passes: the group exponentials at position t are
+the SHAKE256 output of ``race:<seed>:<t>``, the within-group ones of group g that of
 ``race:<seed>:<t>:<g>``, 64 bits per entry -- a 53-bit uniform U, then E = -log(1 - U) (a
 zero E, probability 2^-53, is raised to the smallest normal double).
-Group masses are summed in float32 (relative to the row's largest logit), the races
-run in float64.
+Weights and group masses are float32 (relative to the row's largest logit), the ratios to
+the exponentials float64.
 """
 
 from __future__ import annotations
@@ -61,16 +67,15 @@ def group_shape(vocab_size: int) -> tuple[int, int]:
     return -(-vocab_size // width), width
 
 
-def gumbels(streams: list[bytes], n: int) -> np.ndarray:
-    """(len(streams), n) float64 standard Gumbel noise, -log E with E ~ Exp(1): row r from
-    the SHAKE256 output of ``streams[r]``, 64 bits per entry -- its top 53 a uniform U,
-    E = -log(1 - U)."""
+def exponentials(streams: list[bytes], n: int) -> np.ndarray:
+    """(len(streams), n) float64 standard exponential noise, E ~ Exp(1): row r from the
+    SHAKE256 output of ``streams[r]``, 64 bits per entry -- its top 53 a uniform U,
+    E = -log(1 - U), never below the smallest normal double."""
     raw = b"".join([hashlib.shake_256(s).digest(8 * n) for s in streams])
-    u = (np.frombuffer(raw, dtype="<u8").reshape(len(streams), n) >> _U64(11)).astype(np.float64)
-    u *= 2.0 ** -53
-    e = np.log1p(np.negative(u, out=u), out=u)  # log(1 - U) = -E
-    np.minimum(e, -_TINY, out=e)  # E = 0 (U = 0, probability 2^-53) raised to the tiniest
-    return np.negative(np.log(np.negative(e, out=e), out=e), out=e)
+    u = (np.frombuffer(raw, dtype="<u8").reshape(len(streams), n) >> _U64(11)) * -(2.0 ** -53)
+    e = np.log1p(u, out=u)  # log(1 - U) = -E
+    np.negative(e, out=e)
+    return np.maximum(e, _TINY, out=e)
 
 
 class PositionNoise:
@@ -87,13 +92,13 @@ class PositionNoise:
         """The name of H_t's stream, t = ``pos``."""
         return b"race:%d:%d" % (self.seed, pos)
 
-    def group_gumbels(self, pos: int) -> np.ndarray:
-        """(groups,) float64: H_t for t = ``pos``."""
-        return gumbels([self.group_stream(pos)], self.groups)[0]
+    def group_noise(self, pos: int) -> np.ndarray:
+        """(groups,) float64: the exponentials behind H_t (H = -log E), t = ``pos``."""
+        return exponentials([self.group_stream(pos)], self.groups)[0]
 
-    def member_gumbels(self, pos: int, group: int) -> np.ndarray:
-        """(width,) float64: G_t(g, .) for t = ``pos``, g = ``group``."""
-        return gumbels([member_stream(self.group_stream(pos), group)], self.width)[0]
+    def member_noise(self, pos: int, group: int) -> np.ndarray:
+        """(width,) float64: the exponentials behind G_t(g, .), t = ``pos``, g = ``group``."""
+        return exponentials([member_stream(self.group_stream(pos), group)], self.width)[0]
 
 
 def member_stream(group_stream: bytes, group: int) -> bytes:
@@ -103,21 +108,18 @@ def member_stream(group_stream: bytes, group: int) -> bytes:
 
 def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int]) -> list[int]:
     """The race's token for each row of ``scaled`` (R, V): logits over the temperature
-    (float32, contiguous), -inf where top-k or top-p removed a token; row r races with
-    ``noises[r]`` at sequence position ``positions[r]``. All rows in one set of array
-    operations."""
-    scaled = scaled.contiguous()
-    R, V = scaled.shape
+    (float32), -inf where top-k or top-p removed a token; row r races with ``noises[r]`` at
+    sequence position ``positions[r]``. All rows in one set of array operations."""
+    x = scaled.detach().contiguous().numpy()
+    R, V = x.shape
     groups, width = noises[0].groups, noises[0].width
+    w = np.exp(x - x.max(-1, keepdims=True))  # the weights, up to a factor per row
     if groups * width > V:
-        scaled = torch.nn.functional.pad(scaled, (0, groups * width - V), value=float("-inf"))
-    # each group's mass, up to a factor per row (which no argmax within the row sees)
-    top = scaled.amax(-1, keepdim=True)
-    mass = (scaled - top).exp_().view(R, groups, width).sum(-1).numpy()
+        w = np.pad(w, ((0, 0), (0, groups * width - V)))
+    w = w.reshape(R, groups, width)
     streams = [n.group_stream(t) for n, t in zip(noises, positions)]
-    with np.errstate(divide="ignore"):  # a group top-k/top-p emptied: log 0 = -inf
-        chosen = (np.log(mass, dtype=np.float64) + gumbels(streams, groups)).argmax(-1).tolist()
-    members = scaled.numpy().reshape(R, groups, width)[np.arange(R), chosen].astype(np.float64)
-    noise = gumbels([member_stream(s, c) for s, c in zip(streams, chosen)], width)
-    within = (members + noise).argmax(-1).tolist()
+    chosen = (w.sum(-1) / exponentials(streams, groups)).argmax(-1).tolist()
+    members = w[np.arange(R), chosen]
+    noise = exponentials([member_stream(s, c) for s, c in zip(streams, chosen)], width)
+    within = (members / noise).argmax(-1).tolist()
     return [c * width + i for c, i in zip(chosen, within)]

@@ -158,8 +158,12 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
     -- greedy, its argmax; seeded, its race (``race_rows``) -- when the caller has them
     already (a packed pass takes them for all its rows at once); the walk then reads only
     these."""
-    if sp.greedy and logits.shape[0] == 1:  # no draft (plain decoding): the argmax
-        return [], targets[0] if targets is not None else int(logits[0].argmax())
+    if logits.shape[0] == 1 and (sp.greedy or noise is not None):  # no draft: the target's
+        if targets is not None:                                     # own token
+            return [], targets[0]
+        if sp.greedy:
+            return [], int(logits[0].argmax())
+        return [], race_rows(logits, sp, noise, [pos])[0]
     tokens = draft.tokens.tolist()
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []

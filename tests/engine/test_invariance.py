@@ -5,11 +5,11 @@ the same as plain sampling with that seed (engine.sampling)."""
 import pytest
 import torch
 import numpy as np
-from scipy.stats import chisquare, gumbel_r, kstest
+from scipy.stats import chisquare, expon, kstest
 
 from nodraft.drafters.registry import Registry
 from nodraft.engine.core import Engine, GenerationRequest
-from nodraft.engine.sampling import PositionNoise, derive_seed, gumbels, race
+from nodraft.engine.sampling import PositionNoise, derive_seed, exponentials, race
 from nodraft.engine.verify import SamplingParams, race_rows, scaled_logits, target_probs
 from nodraft.micro.checkpoint import load_model, load_tokenizer
 from tests.engine.helpers import REGISTRY, generate, run_all
@@ -49,29 +49,31 @@ def prompts():
 def test_the_noise_is_a_function_of_seed_and_position():
     a, b = PositionNoise(5, 4096), PositionNoise(5, 4096)
     assert (a.groups, a.width) == (64, 64)
-    b.group_gumbels(9), b.member_gumbels(9, 3)  # the order asked in does not matter
-    assert np.array_equal(a.group_gumbels(3), b.group_gumbels(3))
-    assert np.array_equal(a.member_gumbels(9, 3), b.member_gumbels(9, 3))
+    b.group_noise(9), b.member_noise(9, 3)  # the order asked in does not matter
+    assert np.array_equal(a.group_noise(3), b.group_noise(3))
+    assert np.array_equal(a.member_noise(9, 3), b.member_noise(9, 3))
     for t in range(1, 20):
-        assert not np.array_equal(a.group_gumbels(t - 1), a.group_gumbels(t))
-        assert not np.array_equal(a.member_gumbels(t - 1, 0), a.member_gumbels(t, 0))
-    assert not np.array_equal(a.member_gumbels(3, 0), a.member_gumbels(3, 1))
-    assert not np.array_equal(a.group_gumbels(3), PositionNoise(6, 4096).group_gumbels(3))
+        assert not np.array_equal(a.group_noise(t - 1), a.group_noise(t))
+        assert not np.array_equal(a.member_noise(t - 1, 0), a.member_noise(t, 0))
+    assert not np.array_equal(a.member_noise(3, 0), a.member_noise(3, 1))
+    assert not np.array_equal(a.group_noise(3), PositionNoise(6, 4096).group_noise(3))
     # a batch's rows draw what each would alone
-    batch = gumbels([a.group_stream(3), PositionNoise(6, 4096).group_stream(3),
+    batch = exponentials([a.group_stream(3), PositionNoise(6, 4096).group_stream(3),
                      a.group_stream(4)], 64)
-    assert np.array_equal(batch[0], a.group_gumbels(3))
-    assert np.array_equal(batch[2], a.group_gumbels(4))
+    assert np.array_equal(batch[0], a.group_noise(3))
+    assert np.array_equal(batch[2], a.group_noise(4))
     assert derive_seed(5, 0) != derive_seed(5, 1) != derive_seed(6, 0)
 
 
-def test_the_noise_is_gumbel():
-    """H and G are standard Gumbel, -log E with E ~ Exp(1) (the races are exact only then)."""
+def test_the_noise_is_exponential():
+    """The exponentials behind H and G are standard exponential, E ~ Exp(1) (H = -log E is
+    then standard Gumbel: the races are exact only then)."""
     n = PositionNoise(1, 4096)
-    h = np.concatenate([n.group_gumbels(t) for t in range(64)])
-    g = np.concatenate([n.member_gumbels(t, t % 7) for t in range(64)])
-    assert kstest(h, gumbel_r.cdf).pvalue > 1e-3
-    assert kstest(g, gumbel_r.cdf).pvalue > 1e-3
+    h = np.concatenate([n.group_noise(t) for t in range(64)])
+    g = np.concatenate([n.member_noise(t, t % 7) for t in range(64)])
+    assert kstest(h, expon.cdf).pvalue > 1e-3
+    assert kstest(g, expon.cdf).pvalue > 1e-3
+    assert h.min() > 0 and g.min() > 0
     # and independent: neighbouring entries, positions and groups uncorrelated
     for x, y in [(h[:-1], h[1:]), (g[:-1], g[1:]), (h, g)]:
         assert abs(np.corrcoef(x, y)[0, 1]) < 4 / np.sqrt(len(x))
