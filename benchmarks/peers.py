@@ -457,13 +457,162 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ttft-requests", type=int, default=15)
     p.add_argument("--parts", default="plain,ttft,drafters")
     p.add_argument("--out")
+    p.add_argument("--md-out", help="the results as docs/BENCHMARKS.md's tables (markdown)")
+    p.add_argument("--render", metavar="JSON",
+                   help="only write a finished run's JSON as those tables (to --md-out or "
+                        "standard output)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args.worker, args.threads, json.loads(args.worker_config))
         return
+    if args.render:
+        text = markdown(json.loads(Path(args.render).read_text()))
+        if args.md_out:
+            Path(args.md_out).write_text(text)
+        else:
+            print(text)
+        return
     asyncio.run(driver(args, argv))
+
+
+# -- the results as tables ---------------------------------------------------------------------
+PLAIN_ROWS = [("nodraft", "nodraft served"), ("nodraft-unstreamed", "nodraft served, not streamed"),
+              ("nodraft-in-process", "nodraft in process"), ("llama-server", "llama-server f32"),
+              ("llama-server-unstreamed", "llama-server f32, not streamed"),
+              ("llama-server-q8_0", "llama-server q8_0"),
+              ("llama-cpp-python-server", "llama-cpp-python server"),
+              ("llama-cpp-python", "llama-cpp-python in process"),
+              ("transformers", "transformers generate()")]
+NODRAFT_DRAFTERS = [("micro", m) for m in ("none", "prompt_lookup", "suffix", "lookahead",
+                                           "medusa", "eagle", "auto")] + \
+    [("micro-layerskip", "none"), ("micro-layerskip", "early_exit")]
+PEER_DRAFTERS = [("llama-server", "micro", "none", "none"),
+                 ("llama-server-ngram-simple", "micro", "none", "`--spec-type ngram-simple`"),
+                 ("llama-server-ngram-mod", "micro", "none", "`--spec-type ngram-mod`"),
+                 ("llama-cpp-python", "micro", "none", "none"),
+                 ("llama-cpp-python", "micro", "prompt_lookup", "`LlamaPromptLookupDecoding`"),
+                 ("transformers", "micro", "none", "none"),
+                 ("transformers", "micro", "prompt_lookup", "`prompt_lookup_num_tokens=10`"),
+                 ("transformers", "micro-layerskip", "none", "none"),
+                 ("transformers", "micro-layerskip", "early_exit", "`assistant_early_exit=2`")]
+MODES = [("greedy", "greedy"), ("sampled", f"t={TEMPERATURE}")]
+
+
+def _ratio(r: dict | None) -> str:
+    return "--" if not r else f"{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})"
+
+
+def _checked(check: dict | None) -> str:
+    if check is None:
+        return "--"
+    if check["all_equal"]:
+        return "yes"
+    last = check["last"]
+    same = sum(a == b for a, b in zip(last["tokens_equal_from_start"], last["of"]))
+    return f"{same} of {len(last['of'])}"
+
+
+def markdown(d: dict) -> str:
+    """A run's JSON (``--out``) as the tables docs/BENCHMARKS.md shows: plain decoding, its
+    ratios, time to first token, the drafters and the copying drafters against the peers'.
+    Parts the run left out are left out."""
+    tps, ratios, checks = d.get("tokens_per_s", {}), d.get("ratios", {}), d.get("greedy_checks", {})
+    ttft_runs = d.get("ttft_ms_in_runs", {})
+    out: list[str] = []
+
+    def num(key: str) -> str:
+        v = tps.get(key)
+        return "--" if v is None else f"{v['median']:.0f}"
+
+    def ttft(key: str) -> str:
+        v = ttft_runs.get(key)
+        return "--" if v is None else f"{v:.1f}"
+
+    if any(k.startswith("plain/") for k in tps):
+        out += ["| system | greedy, 1 stream | greedy, 8 streams | sampled, 1 stream | "
+                "sampled, 8 streams | greedy tokens = nodraft's (1 / 8 streams) | "
+                "TTFT, greedy, 1 / 8 streams |", "|---|---|---|---|---|---|---|"]
+        for sys_, label in PLAIN_ROWS:
+            keys = {(m, n): f"plain/{m}/{n}/{sys_}/micro/none"
+                    for m in ("greedy", "sampled") for n in (1, 8)}
+            if not any(k in tps for k in keys.values()):
+                continue
+            out.append(f"| {label} | " + " | ".join(num(keys[(m, n)]) for m in ("greedy", "sampled")
+                                                     for n in (1, 8))
+                       + f" | {_checked(checks.get(keys[('greedy', 1)]))} / "
+                       f"{_checked(checks.get(keys[('greedy', 8)]))} | "
+                       f"{ttft(keys[('greedy', 1)])} / {ttft(keys[('greedy', 8)])} ms |")
+        names = sorted({k.split(": ", 1)[1] for k in ratios if k.startswith("plain/")},
+                       key=lambda n: [k.split(": ", 1)[1] for k in ratios].index(n))
+        out += ["", "| ratio (per round, median (range)) | greedy, 1 stream | greedy, 8 streams "
+                "| sampled, 1 stream | sampled, 8 streams |", "|---|---|---|---|---|"]
+        for name in names:
+            out.append(f"| {name} | " + " | ".join(
+                _ratio(ratios.get(f"plain/{m}/{n}: {name}"))
+                for m in ("greedy", "sampled") for n in (1, 8)) + " |")
+    if d.get("ttft_ms"):
+        long = d.get("long_prompt_tokens") or []
+        span = f"{min(long)}-{max(long)}" if long else "long"
+        out += ["", f"| server | 4-token prompt | {span}-token prompts |", "|---|---|---|"]
+        for server in ("nodraft", "llama-server", "llama-cpp-python-server"):
+            cells = []
+            for label in ("short", "long"):
+                v = d["ttft_ms"].get(f"{server}/{label}")
+                cells.append("--" if v is None else
+                             f"{v['median']:.1f} ms ({v['min']:.1f}-{v['max']:.1f})")
+            if any(c != "--" for c in cells):
+                out.append(f"| {server.replace('nodraft', 'nodraft served')} | "
+                           + " | ".join(cells) + " |")
+    if any(k.startswith("drafters/") for k in tps):
+        prompts = ("fresh", "repeating")
+        head = " | ".join(f"{p}, {mode}" for _, mode in MODES for p in prompts)
+        out += ["", f"| system | model | method | {head} | tokens checked |",
+                "|---|---|---|" + "---|" * (2 * len(prompts)) + "---|"]
+        rows = [(s, label, model, method, method) for s, label in
+                (("nodraft", "nodraft served"), ("nodraft-in-process", "nodraft in process"))
+                for model, method in NODRAFT_DRAFTERS]
+        rows += [(s, s.split("-ngram")[0] if "ngram" in s else s, model, method, shown)
+                 for s, model, method, shown in PEER_DRAFTERS]
+        for sys_, label, model, method, shown in rows:
+            cells, checked = [], []
+            for m, _ in MODES:
+                for p in prompts:
+                    key = f"drafters/{m}/{p}/{sys_}/{model}/{method}"
+                    if key not in tps:
+                        cells.append("--")
+                        continue
+                    cell = num(key)
+                    if "ngram" in sys_:
+                        name = f"drafters/{m}/{p}: llama-server {sys_.split('-', 2)[2]} / llama-server"
+                    elif method != "none":
+                        who = "nodraft" if sys_ == "nodraft" else sys_
+                        name = f"drafters/{m}/{p}: {who} {method} / its none"
+                    else:
+                        name = None
+                    if name and ratios.get(name):
+                        cell += f", **{ratios[name]['median']:.2f}x** " \
+                                f"({ratios[name]['min']:.2f}-{ratios[name]['max']:.2f})"
+                    cells.append(cell)
+                    if key in checks:
+                        checked.append(checks[key]["all_equal"])
+            if all(c == "--" for c in cells):
+                continue
+            check = "--" if not checked else ("all equal" if all(checked) else
+                                               f"{sum(checked)} of {len(checked)} equal")
+            out.append(f"| {label} | {model} | {shown} | " + " | ".join(cells) + f" | {check} |")
+        peers = ("llama-server-ngram-simple", "llama-server-ngram-mod", "transformers prompt_lookup")
+        out += ["", f"| nodraft drafter / peer | {head} |", "|---|" + "---|" * (2 * len(prompts))]
+        for who, label in (("nodraft", "nodraft served"), ("nodraft-in-process", "nodraft in process")):
+            for method in ("prompt_lookup", "suffix", "auto"):
+                for peer in peers:
+                    cells = [_ratio(ratios.get(f"drafters/{m}/{p}: {who} {method} / {peer}"))
+                             for m, _ in MODES for p in prompts]
+                    if any(c != "--" for c in cells):
+                        shown = peer.replace("llama-server-", "llama-server ")
+                        out.append(f"| {label} {method} / {shown} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
@@ -697,6 +846,8 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
     print(json.dumps({k: results.get(k) for k in ("ratios", "ttft_ms")}, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    if args.md_out:
+        Path(args.md_out).write_text(markdown(results))
 
 
 if __name__ == "__main__":
