@@ -123,6 +123,23 @@ def start_warm_up(engine: Engine, config: EngineConfig) -> None:
     engine.warm_up(done, load=load)
 
 
+def keep_first_core(config: EngineConfig) -> None:
+    """With two or more engine cores and threads: start the pass threads now (OpenMP's,
+    a parallel region's), on every engine core, then keep this thread -- the loop, and
+    every pass a lone sequence runs on one thread -- to the first core. Threads started
+    before (the warm-up's, and the artifact build it starts) keep every engine core.
+
+    Without it, an engine given every core floated its loop onto the API process's core,
+    and one stream decoded slower with two threads than with one (docs/BENCHMARKS.md,
+    "Serving"). Call it on the engine's main thread, after the other threads started."""
+    cores = config.cores
+    if not cores or len(cores) < 2 or config.threads < 2:
+        return
+    torch.set_num_threads(config.threads)
+    torch.ones(1 << 20).add_(1)  # parallel: the pass threads start, with this thread's cores
+    os.sched_setaffinity(0, cores[:1])  # this thread only
+
+
 # -- the engine process ------------------------------------------------------------------------
 def run_engine_process(config: EngineConfig, input_address: str, output_address: str,
                        parent_pid: int) -> None:
@@ -140,6 +157,7 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
     outbox.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: the API may bind its end after we connect
     outbox.connect(output_address)
     start_warm_up(engine, config)
+    keep_first_core(config)
     try:
         EngineCore(engine, config, inbox, outbox, parent_pid).run()
     finally:

@@ -112,15 +112,13 @@ class Settings(BaseSettings):
     def cores(self) -> tuple[list[int] | None, list[int] | None]:
         """CPU affinity (engine process, API process). With two or more usable cores and
         an engine process: the engine gets the first ``engine_threads`` cores (every core
-        when it asks for all of them), the API the last one unless the engine has it.
-        (None, None) otherwise: nothing is pinned."""
+        when it asks for all of them), the API the last one -- shared, when the engine has
+        every core, with the engine's pass threads but not its loop, which keeps the first
+        (``engine.process.keep_first_core``). (None, None) otherwise: nothing is pinned."""
         cores = _usable_cores()
         if not self.engine_process or len(cores) < 2:
             return None, None
-        n = self.engine_threads
-        if n >= len(cores):
-            return cores, None  # the engine asked for every core; the API shares them
-        return cores[:n], cores[-1:]
+        return cores[:self.engine_threads], cores[-1:]
 
     @field_validator("speculation", mode="before")
     @classmethod

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from server_testing import alive, free_port, wait_healthy
 from test_server_shutdown import engine_pid
 
@@ -108,6 +109,29 @@ def test_nodraft_serve_serves_through_the_engine_it_launched(serve_checkpoints, 
         proc.wait(timeout=10)
         if engine is not None and alive(engine):
             os.kill(engine, signal.SIGKILL)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_an_engine_with_every_core_keeps_its_loop_on_the_first(serve_checkpoints, tmp_path):
+    """``--threads`` = every core: the engine's pass threads may run on every core, its
+    loop (the process's main thread) on the first only, the API process on the last."""
+    cores = sorted(os.sched_getaffinity(0))
+    port = free_port()
+    proc = _serve(serve_checkpoints, port, tmp_path, "--threads", str(len(cores)))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 120, lambda: proc.poll() is None)
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "micro", "prompt": "def add(a, b):\n", "max_tokens": 4})
+        assert r.status_code == 200
+        engine = engine_pid(proc.pid)
+        assert os.sched_getaffinity(engine) == {cores[0]}  # the main thread: the loop
+        threads = [int(t.name) for t in Path(f"/proc/{engine}/task").iterdir()]
+        assert any(os.sched_getaffinity(t) == set(cores) for t in threads)  # pass threads
+        assert thread_cores(proc.pid)["python"] == {cores[-1]}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 def thread_cores(pid: int) -> dict[str, set[int]]:

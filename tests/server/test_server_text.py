@@ -197,7 +197,9 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     assert Settings().engine_threads == 7 and Settings(threads=3).engine_threads == 3
     assert Settings().cores() == (list(range(7)), [7])
     assert Settings(threads=3).cores() == ([0, 1, 2], [7])
-    assert Settings(threads=8).cores() == (list(range(8)), None)  # the engine asked for all
+    # the engine asked for every core: the API shares the last one with the engine's pass
+    # threads (its loop keeps the first: engine.process.keep_first_core)
+    assert Settings(threads=8).cores() == Settings(threads=9).cores() == (list(range(8)), [7])
     assert Settings(engine_process=False).cores() == (None, None)  # one process: no pinning
     # the engine's ZeroMQ I/O thread goes to the API's core; steps wait 5 ms by default
     config = Settings(threads=3).engine_config()
