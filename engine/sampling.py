@@ -47,7 +47,6 @@ import hashlib
 import math
 
 import numpy as np
-import torch
 from torch import Tensor
 
 _TINY = np.finfo(np.float64).tiny
