@@ -544,8 +544,7 @@ def markdown(d: dict) -> str:
                        + f" | {_checked(checks.get(keys[('greedy', 1)]))} / "
                        f"{_checked(checks.get(keys[('greedy', 8)]))} | "
                        f"{ttft(keys[('greedy', 1)])} / {ttft(keys[('greedy', 8)])} ms |")
-        names = sorted({k.split(": ", 1)[1] for k in ratios if k.startswith("plain/")},
-                       key=lambda n: [k.split(": ", 1)[1] for k in ratios].index(n))
+        names = list(dict.fromkeys(k.split(": ", 1)[1] for k in ratios if k.startswith("plain/")))
         out += ["", "| ratio (per round, median (range)) | greedy, 1 stream | greedy, 8 streams "
                 "| sampled, 1 stream | sampled, 8 streams |", "|---|---|---|---|---|"]
         for name in names:
@@ -587,8 +586,7 @@ def markdown(d: dict) -> str:
                     if "ngram" in sys_:
                         name = f"drafters/{m}/{p}: llama-server {sys_.split('-', 2)[2]} / llama-server"
                     elif method != "none":
-                        who = "nodraft" if sys_ == "nodraft" else sys_
-                        name = f"drafters/{m}/{p}: {who} {method} / its none"
+                        name = f"drafters/{m}/{p}: {sys_} {method} / its none"
                     else:
                         name = None
                     if name and ratios.get(name):

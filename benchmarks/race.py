@@ -98,7 +98,9 @@ def in_engine(fns: dict, tokens: int, rounds: int) -> dict:
     config = settings.engine_config()
     engine = build_engine(config)
     start_warm_up(engine, config)
-    while not (engine.compiled_ready or engine.compiled_error):
+    while not engine.compiled_ready:
+        if engine.compiled_error is not None:  # eager passes are not what serves
+            raise RuntimeError(engine.compiled_error)
         time.sleep(0.2)
     while engine.idle_work():
         engine.idle()
