@@ -4,7 +4,11 @@ Two verification rules run under sampling (engine/verify.py):
 
 - **seeded** (a request with a ``seed``): the Gumbel-max race over per-position noise; the
   text is the same under every drafter;
-- **unseeded**: Leviathan/Chen rejection (min(1, p/q), the sibling rule for trees).
+- **unseeded**: for drafts that carry their distribution q (early exit's, EAGLE's sampled
+  chain), Leviathan/Chen rejection (min(1, p/q)); for every other step -- point-mass drafts
+  and no draft -- the same race over noise of the request's own (``Sequence.race_noise``),
+  which accepts a point-mass child with the probability the sibling rule did, p(x).
+  (Results recorded before 2026-12-04 ran the sibling rule for point-mass drafts.)
 
 For every drafter, model and prompt, the same requests are decoded under both rules, runs
 alternated (seeded, unseeded, seeded, ...) so a shared machine's drift hits both, with

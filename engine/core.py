@@ -639,42 +639,44 @@ class Engine:
 def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
              ) -> list[list[int] | None]:
     """Per job of a packed pass, its block rows' own tokens (``verify.accept``): greedy, the
-    argmax; seeded sampling, the race -- each kind taken for all its rows in one call, not
-    one per sequence. None for the rest (unseeded sampling; drafted blocks too big to race
-    whole, or whose rows top-k or top-p filter): ``accept`` finds those."""
-    greedy, seeded = [], []
+    argmax; sampling that races (``Sequence.race_noise``), the race -- each kind taken for
+    all its rows in one call, not one per sequence. None for the rest (drafts with their q
+    under unseeded sampling; drafted blocks too big to race whole, or whose rows top-k or
+    top-p filter): ``accept`` finds those."""
+    greedy, racing = [], []
     for j, (h, draft) in enumerate(jobs):
         if draft is None:
             continue
         if h.request.sampling.greedy:
             greedy.append(j)
-        elif h.sequence.noise is not None and races_whole(len(draft), h.request.sampling):
-            seeded.append(j)
+        elif (h.sequence.race_noise(draft) is not None
+              and races_whole(len(draft), h.request.sampling)):
+            racing.append(j)
     out: list[list[int] | None] = [None] * len(jobs)
     if greedy:
         _scatter(out, greedy, [outputs[j][0].shape[0] for j in greedy],
                  torch.cat([outputs[j][0] for j in greedy]).max(-1).indices.tolist())
-    if seeded:
+    if racing:
         rows, temps, noises, positions, sizes = [], [], [], [], []
-        for j in seeded:
+        for j in racing:
             h, draft = jobs[j]
             n = len(draft) + 1
             rows.append(outputs[j][0][:n])
             sizes.append(n)
             temps += [h.request.sampling.temperature] * n
-            noises += [h.sequence.noise] * n
+            noises += [h.sequence.race_noise(draft)] * n
             start = len(h.sequence.tokens)
             positions += [start + d for d in (0, *draft.depths())]
         scaled = torch.cat(rows).float().div_(torch.tensor(temps)[:, None])
         o = 0
-        for j, n in zip(seeded, sizes):  # top-k and top-p, per request (one row each)
+        for j, n in zip(racing, sizes):  # top-k and top-p, per request (one row each)
             sp = jobs[j][0].request.sampling
             if sp.filters:
                 keep = kept(scaled[o:o + n], sp)
                 if keep is not None:
                     scaled[o:o + n].masked_fill_(~keep, float("-inf"))
             o += n
-        _scatter(out, seeded, sizes, race(scaled, noises, positions))
+        _scatter(out, racing, sizes, race(scaled, noises, positions))
     return out
 
 

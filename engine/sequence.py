@@ -94,8 +94,13 @@ class Sequence:
         self.generator.manual_seed(derive_seed(sp.seed, "draft") if sp.seed is not None
                                    else int(torch.randint(0, 2**62, (1,))))
         # seeded sampling: the drafter-invariant rule (engine.sampling)
-        self.noise = (PositionNoise(sp.seed, self.model.config.vocab_size)
+        vocab = self.model.config.vocab_size
+        self.noise = (PositionNoise(sp.seed, vocab)
                       if sp.seed is not None and not sp.greedy else None)
+        # unseeded sampling races too, over noise of its own, wherever a step's draft is
+        # point masses or nothing (``race_noise``)
+        self._unseeded_noise = (PositionNoise(int(torch.randint(0, 2**62, (1,))), vocab)
+                                if sp.seed is None and not sp.greedy else None)
         self.ctx = DraftContext(self.tokens, len(self.prompt), self.model, self.cache, self.slot,
                                 temperature=sp.temperature, generator=self.generator,
                                 draw=self._draw if self.noise is not None else None)
@@ -112,10 +117,22 @@ class Sequence:
     def _draw(self, logits: Tensor, pos: int) -> int:
         return race_rows(logits[None], self.sampling, self.noise, [pos])[0]
 
+    def race_noise(self, draft: Draft) -> PositionNoise | None:
+        """The race noise that verifies ``draft``, or None where the rejection rule does.
+
+        Seeded: always the seed's. Unseeded: the request's own noise when the draft carries
+        no distribution (point masses, or no draft) -- a race over fresh noise is plain
+        sampling, and it keeps a point-mass draft token x with probability p(x), as the
+        rejection rule does, in fewer operations; a draft sent with its q keeps the rejection
+        rule, whose min(1, p/q) keeps more than a race coupling of q and p would."""
+        if self.noise is not None or draft.probs is not None:
+            return self.noise
+        return self._unseeded_noise
+
     def _accept(self, logits: Tensor, draft: Draft, targets: list[int] | None = None
                 ) -> tuple[list[int], int]:
-        return accept(logits, draft, self.sampling, self.generator, self.noise, len(self.tokens),
-                      targets)
+        return accept(logits, draft, self.sampling, self.generator, self.race_noise(draft),
+                      len(self.tokens), targets)
 
     @property
     def done(self) -> bool:

@@ -25,7 +25,10 @@ Seeded sampling (``noise`` given, see ``engine.sampling``) verifies as greedy do
 the token the Gumbel-max race picks at each node's position instead of the argmax: the output
 is then the same text under every drafter. For deterministic proposals (chains and trees)
 both rules accept exactly as often: a child is on the path with probability p(x) under
-either. They differ only for drafts with a distribution q.
+either. They differ only for drafts with a distribution q. So unseeded sampling races too,
+over noise drawn for the request, wherever a step's draft carries no q (or there is no
+draft: most sampled tokens): one race costs fewer operations than a softmax and a
+multinomial draw; a draft with its q keeps the rejection rule, which accepts more.
 """
 
 from __future__ import annotations
@@ -153,8 +156,9 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
            pos: int = 0, targets: list[int] | None = None) -> tuple[list[int], int]:
     """(accepted node indices along the path, bonus token) for one verification block.
 
-    ``noise``: seeded sampling's per-position noise; row 0 predicts sequence position
-    ``pos`` and a node at depth d position ``pos + d``. ``targets``: each row's own token
+    ``noise``: the race's per-position noise (seeded sampling's, or an unseeded request's
+    for a draft without q: ``Sequence.race_noise``), None for the rejection rule; row 0
+    predicts sequence position ``pos`` and a node at depth d position ``pos + d``. ``targets``: each row's own token
     -- greedy, its argmax; seeded, its race (``race_rows``) -- when the caller has them
     already (a packed pass takes them for all its rows at once); the walk then reads only
     these."""

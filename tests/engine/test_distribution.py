@@ -1,7 +1,7 @@
 """The second invariant: with sampling on, every drafter leaves the target's distribution
 exactly as it is -- under both rules: seeded requests (the Gumbel-max race over per-position
-noise, drafter-invariant) and unseeded ones (Leviathan/Chen rejection, the sibling rule for
-trees)."""
+noise, drafter-invariant) and unseeded ones (the race over the request's own noise for drafts
+without q; Leviathan/Chen rejection for drafts with q)."""
 
 from dataclasses import dataclass
 
@@ -14,7 +14,7 @@ from nodraft.drafters.base import Draft
 from nodraft.micro.model import MicroConfig
 from nodraft.engine.verify import SamplingParams, target_probs
 from tests.conftest import tiny_model
-from tests.engine.helpers import REGISTRY, generate
+from tests.engine.helpers import REGISTRY, drafter_env, generate
 
 SMALL = MicroConfig(vocab_size=8, dim=16, n_layers=4, n_heads=2, ffn_dim=32, max_positions=64)
 MODEL = tiny_model(seed=3, config=SMALL)
@@ -90,7 +90,7 @@ T1 = {"temperature": 1.0}
 FILTERED = {"temperature": 0.7, "top_k": 5, "top_p": 0.9}
 BOTH = [(*c, T1) for c in CASES] + [(*c, FILTERED) for c in CASES if c[0] in
                                      ("early_exit", "fixed_tree", "random_chain_q", "eagle")]
-# Unseeded (the rejection rule): every case. Seeded: plain sampling only -- with a seed every
+# Unseeded (the race for point masses, the rejection rule for drafts with q): every case. Seeded: plain sampling only -- with a seed every
 # drafter's text IS plain sampling's, which test_every_case_samples_plain_samplings_text
 # checks here, seed by seed, and tests/engine/test_invariance.py on the checkpoints.
 PARAMS = [(*c, False) for c in BOTH] + [(*c, True) for c in BOTH if c[0] == "none"]
@@ -127,3 +127,40 @@ def test_every_case_samples_plain_samplings_text(method, params, cls, sp_args):
         got, _, _ = generate(MODEL, PROMPT, 4, None if cls else method, params, sp,
                              shared=shared, drafter=cls() if cls else None)
         assert got == want, (method, params, i)
+
+
+POINT_MASS = [("prompt_lookup", {}, None), ("suffix", {"min_token_prob": 0.01}, None),
+              ("lookahead", {"window": 3, "ngram": 3}, None), ("fixed_tree", None, FixedTree)]
+
+
+@pytest.mark.parametrize("method,params,cls", POINT_MASS, ids=[c[0] for c in POINT_MASS])
+def test_unseeded_point_mass_drafts_are_verified_by_the_race(method, params, cls):
+    """Unseeded, a draft without q is verified by the race over the request's own noise
+    (``Sequence.race_noise``): from the same global torch seed, such a drafter's text is
+    plain sampling's, token for token (the rejection rule would give another text)."""
+    shared: dict = {}
+    sp = SamplingParams(temperature=1.0)
+    accepted = 0
+    for i in range(40):
+        # drafters built before the seed is set: building may draw from torch's global stream
+        plain = REGISTRY.build(*REGISTRY.parse({"method": "none"}), drafter_env(MODEL, shared))
+        drafter = cls() if cls else REGISTRY.build(
+            *REGISTRY.parse({"method": method, **params}), drafter_env(MODEL, shared))
+        torch.manual_seed(i)
+        want, _, _ = generate(MODEL, PROMPT, 8, "none", None, sp, drafter=plain)
+        torch.manual_seed(i)
+        got, seq, steps = generate(MODEL, PROMPT, 8, method, params, sp, drafter=drafter)
+        assert got == want, (method, i)
+        accepted += sum(s.n_accepted for s in steps)
+    assert accepted > 0 and seq.noise is None  # drafts were verified (and kept) unseeded
+
+
+def test_unseeded_drafts_with_q_keep_the_rejection_rule():
+    torch.manual_seed(0)
+    _, seq, _ = generate(MODEL, PROMPT, 2, "none", None, SamplingParams(temperature=1.0))
+    q = torch.full((1, 8), 1 / 8)
+    assert seq.race_noise(Draft(torch.tensor([3]), None, q)) is None
+    assert seq.race_noise(Draft(torch.tensor([3]), None)) is not None
+    _, seeded, _ = generate(MODEL, PROMPT, 2, "none", None,
+                            SamplingParams(temperature=1.0, seed=1))
+    assert seeded.race_noise(Draft(torch.tensor([3]), None, q)) is seeded.noise
