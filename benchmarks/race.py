@@ -1,15 +1,18 @@
-"""What seeded sampling's race costs a token: this tree's ``engine.sampling.race`` against
-another tree's (``--before DIR``: a checkout, e.g. ``git worktree add /tmp/before REV``).
+"""What the sampling race costs a token: this tree's ``engine.sampling.race`` against
+another tree's (``--before DIR``: a checkout, e.g. ``git worktree add /tmp/before REV``), or
+this tree's two implementations of it against each other (``--kernel``: numpy array
+operations against ``nodraft::race``, micro/csrc/race.cpp).
 
-    python benchmarks/race.py --before DIR [--rounds 12] [--tokens 256] [--out FILE.json]
+    python benchmarks/race.py (--before DIR | --kernel) [--rounds 12] [--tokens 256]
+                              [--out FILE.json]
 
 Three parts, one thread, the two races alternated (odd rounds in reverse order):
 
 1. **agreement**: both races on the same random rows (some tokens removed, as top-k and
    top-p remove them) with the same seeds and positions: how often they pick the same
    token (the same race computed two ways agrees everywhere but at rounding ties);
-2. **alone**: one call's time for 1, 4 and 16 rows of micro's vocabulary (the best of 7
-   repeats of 2,000 calls);
+2. **alone**: one call's time for 1, 4 and 16 rows of micro's vocabulary, logits over the
+   temperature (the best of 7 repeats of 2,000 calls);
 3. **in the engine**: ``none`` on micro, compiled passes loaded as the server loads them,
    one request of ``--tokens`` tokens at a time, greedy and seeded sampling (temperature
    0.8) with each race; microseconds per token (median over rounds) and the sampled
@@ -32,6 +35,7 @@ import torch
 from nodraft.engine import sampling, verify
 from nodraft.engine.core import GenerationRequest
 from nodraft.engine.verify import SamplingParams
+from nodraft.micro import gemm
 
 
 def load_before(tree: Path):
@@ -44,15 +48,25 @@ def load_before(tree: Path):
 
 
 def races(before) -> dict:
-    """name -> race(scaled, noises, positions) taking this tree's ``PositionNoise``."""
+    """name -> race(scaled, noises, positions[, temperatures]) taking this tree's
+    ``PositionNoise``."""
     kept: dict[int, object] = {}
 
-    def old(scaled, noises, positions):
+    def old(scaled, noises, positions, temperatures=None):
         ns = [kept.setdefault(n.seed, before.PositionNoise(n.seed, n.vocab_size))
               for n in noises]
+        if temperatures is not None:  # an older race takes logits over the temperature
+            scaled = scaled.float() / torch.tensor(temperatures)[:, None]
         return before.race(scaled, ns, positions)
 
-    return {"after": sampling.race, "before": old}
+    return {"before": old, "after": sampling.race}
+
+
+def kernels() -> dict:
+    """This tree's two races: numpy's, then ``nodraft::race``."""
+    if not gemm.load():
+        raise SystemExit(f"nodraft's kernels did not load: {gemm.why()}")
+    return {"numpy": sampling.race_numpy, "kernel": sampling.race_kernel}
 
 
 def agreement(fns: dict, draws: int, vocab: int) -> dict:
@@ -142,25 +156,29 @@ def in_engine(fns: dict, tokens: int, rounds: int) -> dict:
     finally:
         verify.race = original
     med = {k: statistics.median(v) for k, v in us.items()}
+    old, new = fns
     return {"us_per_token": {k: round(v, 1) for k, v in med.items()},
             "range": {k: [round(min(v), 1), round(max(v), 1)] for k, v in us.items()},
             "sampled_over_greedy_us": {k: round(med[k] - med["greedy"], 1)
                                        for k in med if k != "greedy"},
-            "after_over_before_tokens_per_s": round(
-                med["sampled, race before"] / med["sampled, race after"], 3),
-            "same_sampled_text": texts["after"] == texts["before"]}
+            f"{new}_over_{old}_tokens_per_s": round(
+                med[f"sampled, race {old}"] / med[f"sampled, race {new}"], 3),
+            "same_sampled_text": texts[new] == texts[old]}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before", required=True, help="a checkout whose race to compare with")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--before", help="a checkout whose race to compare with")
+    which.add_argument("--kernel", action="store_true",
+                       help="numpy's race against nodraft::race, both of this tree")
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--draws", type=int, default=3000)
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    fns = races(load_before(Path(args.before)))
+    fns = kernels() if args.kernel else races(load_before(Path(args.before)))
     vocab = 4096
     result = {
         "command": "python benchmarks/race.py " + " ".join(sys.argv[1:] if argv is None else argv),

@@ -667,7 +667,11 @@ def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
             noises += [h.sequence.race_noise(draft)] * n
             start = len(h.sequence.tokens)
             positions += [start + d for d in (0, *draft.depths())]
-        scaled = torch.cat(rows).float().div_(torch.tensor(temps)[:, None])
+        logits = torch.cat(rows).float()
+        if not any(jobs[j][0].request.sampling.filters for j in racing):
+            _scatter(out, racing, sizes, race(logits, noises, positions, temps))
+            return out
+        scaled = logits.div_(torch.tensor(temps)[:, None])
         o = 0
         for j, n in zip(racing, sizes):  # top-k and top-p, per request (one row each)
             sp = jobs[j][0].request.sampling

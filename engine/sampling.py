@@ -39,15 +39,29 @@ the SHAKE256 output of ``race:<seed>:<t>``, the within-group ones of group g tha
 zero E, probability 2^-53, is raised to the smallest normal double).
 Weights and group masses are float32 (relative to the row's largest logit), the ratios to
 the exponentials float64.
+
+Two implementations of the same race: ``nodraft::race`` (micro/csrc/race.cpp: SHAKE256,
+the weights' exponentials and both argmaxes in one pass of C++ a row), wherever this
+process has loaded nodraft's kernels -- as the compiled passes do (``micro.gemm``) -- and
+numpy array operations elsewhere (eager passes, no compiler, or ``NODRAFT_RACE=numpy``).
+They read the same noise, bit for bit, and compute the weights' exponentials differently
+in the last places of a float32, so they pick the same token but where two ratios tie to
+that rounding (9,000 of 9,000 random rows agreed in ``benchmarks/race.py --kernel``;
+tests/engine/test_race_kernel.py): a seeded text can differ between eager and compiled
+serving at such a tie, as the passes' logits themselves can.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 
 import numpy as np
+import torch
 from torch import Tensor
+
+from nodraft.micro import gemm
 
 _TINY = np.finfo(np.float64).tiny
 _U64 = np.uint64
@@ -105,10 +119,41 @@ def member_stream(group_stream: bytes, group: int) -> bytes:
     return b"%s:%d" % (group_stream, group)
 
 
-def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int]) -> list[int]:
+def native() -> bool:
+    """Whether ``race`` runs ``nodraft::race`` (micro/csrc/race.cpp): where this process
+    has loaded nodraft's kernels (``micro.gemm.load``, as the compiled passes do) and
+    ``NODRAFT_RACE`` is not ``numpy``."""
+    return gemm.unit() is not None and os.environ.get("NODRAFT_RACE", "").lower() != "numpy"
+
+
+def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int],
+         temperatures: list[float] | None = None) -> list[int]:
     """The race's token for each row of ``scaled`` (R, V): logits over the temperature
-    (float32), -inf where top-k or top-p removed a token; row r races with ``noises[r]`` at
-    sequence position ``positions[r]``. All rows in one set of array operations."""
+    (float32), -inf where top-k or top-p removed a token -- or, with ``temperatures``,
+    logits that row r's temperature divides first; row r races with ``noises[r]`` at
+    sequence position ``positions[r]``. All rows in one call: ``nodraft::race`` where
+    ``native()``, else one set of numpy array operations. The two draw the same noise and
+    agree on the token but where two of a row's ratios tie to float32 rounding (their
+    weights' exponentials differ in the last places): each is exact sampling."""
+    if native():
+        return race_kernel(scaled, noises, positions, temperatures)
+    return race_numpy(scaled, noises, positions, temperatures)
+
+
+def race_kernel(scaled: Tensor, noises: list[PositionNoise], positions: list[int],
+                temperatures: list[float] | None = None) -> list[int]:
+    """``race`` as ``nodraft::race`` (nodraft's kernels loaded: ``micro.gemm.load``)."""
+    seeds = [n.seed - 2**64 if n.seed >= 2**63 else n.seed for n in noises]  # int64 bits
+    return torch.ops.nodraft.race.default(
+        scaled.detach().float(), temperatures or [1.0] * scaled.shape[0], seeds, positions,
+        noises[0].groups, noises[0].width)
+
+
+def race_numpy(scaled: Tensor, noises: list[PositionNoise], positions: list[int],
+               temperatures: list[float] | None = None) -> list[int]:
+    """``race`` as numpy array operations."""
+    if temperatures is not None:
+        scaled = scaled.float() / torch.tensor(temperatures)[:, None]
     x = scaled.detach().contiguous().numpy()
     R, V = x.shape
     groups, width = noises[0].groups, noises[0].width

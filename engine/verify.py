@@ -114,9 +114,13 @@ def scaled_logits(logits: Tensor, sp: SamplingParams) -> Tensor:
 
 def race_rows(logits: Tensor, sp: SamplingParams, noise: PositionNoise,
               positions: list[int]) -> list[int]:
-    """Seeded sampling's token at each row of ``logits`` (R, V), row r predicting sequence
-    position ``positions[r]``, in one call."""
-    return race(scaled_logits(logits, sp), [noise] * len(positions), positions)
+    """The race's token at each row of ``logits`` (R, V), row r predicting sequence
+    position ``positions[r]``, in one call (the temperature divides inside it where no
+    top-k or top-p filter applies)."""
+    n = len(positions)
+    if sp.filters:
+        return race(scaled_logits(logits, sp), [noise] * n, positions)
+    return race(logits.float(), [noise] * n, positions, [sp.temperature] * n)
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:

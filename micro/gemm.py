@@ -19,6 +19,9 @@ pass disagree in the last bits. The attention around them still differs between 
 sizes, so that speculative greedy equals plain greedy still rests on the equivalence
 tests, as before.
 
+The same library carries ``nodraft::race`` (``csrc/race.cpp``), seeded and unseeded
+sampling's race (``engine.sampling``), which a process uses once it has loaded this one.
+
 Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 with -mavx512f or -mavx2
 -mfma, 10-20 s once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``,
 a folder per vector unit; a build stopped midway never blocks the next, ``build_lock``),
@@ -42,6 +45,8 @@ from torch import Tensor
 log = logging.getLogger("nodraft.gemm")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.cpp"
+# built with it, into the same library: seeded sampling's race (engine/sampling.py)
+SOURCES = (SOURCE, SOURCE.with_name("race.cpp"))
 NAME = "nodraft_gemm"  # the extension's name, and its folder under TORCH_EXTENSIONS_DIR
 CHOICES = ("auto", "torch")
 
@@ -64,9 +69,11 @@ def _build() -> tuple[bool, str]:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         with build_lock(Path(_get_build_directory(name, verbose=False))):
-            load(name, [str(SOURCE)], extra_cflags=flags, is_python_module=False, verbose=False)
+            load(name, [str(f) for f in SOURCES], extra_cflags=flags, is_python_module=False,
+                 verbose=False)
     except Exception as e:  # no compiler, no headers: torch.mm serves
-        return False, f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1][:300]}"
+        return False, (f"building {', '.join(f.name for f in SOURCES)} failed: "
+                       f"{str(e).strip().splitlines()[-1][:300]}")
 
     @torch.library.register_fake("nodraft::mm")
     def _(a: Tensor, b: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ from nodraft.drafters.registry import Registry
 from nodraft.engine.core import Engine, GenerationRequest
 from nodraft.engine.sampling import PositionNoise, derive_seed, exponentials, race
 from nodraft.engine.verify import SamplingParams, race_rows, scaled_logits, target_probs
+from nodraft.micro import gemm
 from nodraft.micro.checkpoint import load_model, load_tokenizer
 from tests.engine.helpers import REGISTRY, generate, run_all
 
@@ -33,6 +34,21 @@ def sampling(seed: int) -> SamplingParams:
     # temperatures and filters vary with the seed: each is part of the request's parameters
     return SamplingParams(temperature=(0.7, 0.8, 1.0)[seed % 3], top_p=(1.0, 0.95)[seed % 2],
                           top_k=(0, 0, 0, 50)[seed % 4], seed=seed)
+
+
+@pytest.fixture(params=["numpy", "native"])
+def implementation(request, monkeypatch):
+    """The race run as numpy array operations, or as ``nodraft::race`` where nodraft's
+    kernels load (tests/engine/test_race_kernel.py compares the two)."""
+    if request.param == "numpy":
+        monkeypatch.setenv("NODRAFT_RACE", "numpy")
+    elif not gemm.load():
+        pytest.skip(f"nodraft's kernels: {gemm.why()}")
+    else:
+        monkeypatch.delenv("NODRAFT_RACE", raising=False)
+    from nodraft.engine import sampling as module
+    assert module.native() == (request.param == "native")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +99,7 @@ def test_the_noise_is_exponential():
     (50, SamplingParams(temperature=1.0)),  # 8 groups of 7, the last one short
     (64, SamplingParams(temperature=0.7, top_k=20, top_p=0.9)),
 ])
-def test_the_race_draws_the_target_distribution(vocab, sp):
+def test_the_race_draws_the_target_distribution(vocab, sp, implementation):
     """The two-level race's token over many seeds follows target_probs, filters included:
     nothing outside what they keep, and chi-square agreement over what they do."""
     gen = torch.Generator().manual_seed(vocab)
@@ -99,7 +115,7 @@ def test_the_race_draws_the_target_distribution(vocab, sp):
     assert chisquare(obs[exp > 0], exp[exp > 0] * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
-def test_a_batched_race_is_each_rows_own():
+def test_a_batched_race_is_each_rows_own(implementation):
     """The packed pass races all rows of all seeded sequences in one call (temperatures and
     filters per row): each row's token is the one its race alone gives."""
     gen = torch.Generator().manual_seed(0)
@@ -112,6 +128,12 @@ def test_a_batched_race_is_each_rows_own():
     assert race(scaled, noise, [r + 20 for r in range(12)]) == alone
     for r in range(12):  # and every pick is a token the filters kept
         assert bool(target_probs(logits[r], sps[r])[alone[r]] > 0)
+    # unfiltered rows: their temperatures divide inside the race, as a packed pass sends them
+    temps = [sp.temperature for sp in sps]
+    unfiltered = [SamplingParams(temperature=t, seed=r) for r, t in enumerate(temps)]
+    alone = [race_rows(logits[r:r + 1], unfiltered[r], noise[r], [r + 20])[0] for r in range(12)]
+    assert race(logits, noise, [r + 20 for r in range(12)], temps) == alone
+    assert race(logits / torch.tensor(temps)[:, None], noise, [r + 20 for r in range(12)]) == alone
 
 
 @pytest.mark.parametrize("name", MODELS)

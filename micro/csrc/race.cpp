@@ -1,0 +1,239 @@
+// nodraft::race -- the sampling race of engine/sampling.py, one row in one pass of C++.
+//
+// For each row r of ``logits`` (R, V) float32 -- -inf where top-k or top-p removed a token
+// -- divided by ``temps[r]``, with the row's race named by (``seeds[r]``, ``positions[r]``):
+//
+//   w(v)  = exp(l(v) / T - max_u l(u) / T)          the weights (zero where removed)
+//   m(g)  = sum of w over group g                     ``groups`` blocks of ``width`` ids
+//   g*    = argmax_g m(g) / E(g)                      E: the exponentials of the stream
+//                                                       "race:<seed>:<t>"
+//   x     = g* * width + argmax_i w(g*, i) / E'(i)    E': those of "race:<seed>:<t>:<g*>"
+//
+// The streams are SHAKE256 output, 64 bits per entry: the top 53 a uniform U, E = -log(1 -
+// U), raised to the smallest normal double if zero -- the same bits, the same exponentials
+// as the numpy race (engine/sampling.py ``exponentials``; tests/engine/test_race_kernel.py
+// checks the two agree). The weights are computed here with a polynomial exponential (a
+// few units in the last place of float32's) and summed in another order than numpy's, so
+// where two ratios tie to float32 rounding the two races can pick differently: each is
+// exact sampling from its own weights.
+//
+// Rows are independent: a row's token does not depend on the others in the call.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// -- SHAKE256 (FIPS 202): Keccak-f[1600], rate 136 bytes, domain suffix 0x1F --------------
+constexpr uint64_t kRoundConstants[24] = {
+    0x0000000000000001ULL, 0x0000000000008082ULL, 0x800000000000808aULL,
+    0x8000000080008000ULL, 0x000000000000808bULL, 0x0000000080000001ULL,
+    0x8000000080008081ULL, 0x8000000000008009ULL, 0x000000000000008aULL,
+    0x0000000000000088ULL, 0x0000000080008009ULL, 0x000000008000000aULL,
+    0x000000008000808bULL, 0x800000000000008bULL, 0x8000000000008089ULL,
+    0x8000000000008003ULL, 0x8000000000008002ULL, 0x8000000000000080ULL,
+    0x000000000000800aULL, 0x800000008000000aULL, 0x8000000080008081ULL,
+    0x8000000000008080ULL, 0x0000000080000001ULL, 0x8000000080008008ULL};
+constexpr int kRotations[24] = {1,  3,  6,  10, 15, 21, 28, 36, 45, 55, 2,  14,
+                                27, 41, 56, 8,  25, 43, 62, 18, 39, 61, 20, 44};
+constexpr int kLanes[24] = {10, 7,  11, 17, 18, 3, 5,  16, 8,  21, 24, 4,
+                            15, 23, 19, 13, 12, 2, 20, 14, 22, 9,  6,  1};
+
+inline uint64_t rotl(uint64_t x, int s) { return (x << s) | (x >> (64 - s)); }
+
+void keccak_f(uint64_t st[25]) {
+#pragma GCC unroll 2
+  for (int round = 0; round < 24; ++round) {
+    uint64_t c[5], d[5];
+#pragma GCC unroll 5
+    for (int i = 0; i < 5; ++i) c[i] = st[i] ^ st[i + 5] ^ st[i + 10] ^ st[i + 15] ^ st[i + 20];
+#pragma GCC unroll 5
+    for (int i = 0; i < 5; ++i) d[i] = c[(i + 4) % 5] ^ rotl(c[(i + 1) % 5], 1);
+#pragma GCC unroll 25
+    for (int j = 0; j < 25; ++j) st[j] ^= d[j % 5];
+    uint64_t t = st[1];
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) {
+      const int j = kLanes[i];
+      const uint64_t next = st[j];
+      st[j] = rotl(t, kRotations[i]);
+      t = next;
+    }
+#pragma GCC unroll 5
+    for (int j = 0; j < 25; j += 5) {
+      const uint64_t a0 = st[j], a1 = st[j + 1], a2 = st[j + 2], a3 = st[j + 3], a4 = st[j + 4];
+      st[j] = a0 ^ (~a1 & a2);
+      st[j + 1] = a1 ^ (~a2 & a3);
+      st[j + 2] = a2 ^ (~a3 & a4);
+      st[j + 3] = a3 ^ (~a4 & a0);
+      st[j + 4] = a4 ^ (~a0 & a1);
+    }
+    st[0] ^= kRoundConstants[round];
+  }
+}
+
+// The first ``n`` 64-bit little-endian words of SHAKE256(msg).
+void shake256_words(const char* msg, size_t len, uint64_t* out, int64_t n) {
+  constexpr size_t kRate = 136, kWords = kRate / 8;
+  uint64_t st[25] = {0};
+  unsigned char block[kRate];
+  while (len >= kRate) {
+    for (size_t i = 0; i < kWords; ++i) {
+      uint64_t w;
+      std::memcpy(&w, msg + 8 * i, 8);
+      st[i] ^= w;
+    }
+    keccak_f(st);
+    msg += kRate;
+    len -= kRate;
+  }
+  std::memset(block, 0, kRate);
+  std::memcpy(block, msg, len);
+  block[len] ^= 0x1F;
+  block[kRate - 1] ^= 0x80;
+  for (size_t i = 0; i < kWords; ++i) {
+    uint64_t w;
+    std::memcpy(&w, block + 8 * i, 8);
+    st[i] ^= w;
+  }
+  keccak_f(st);
+  for (int64_t o = 0;;) {
+    for (size_t i = 0; i < kWords && o < n; ++i) out[o++] = st[i];
+    if (o >= n) break;
+    keccak_f(st);
+  }
+}
+
+// E ~ Exp(1) from a word: the top 53 bits a uniform U, E = -log(1 - U), at least DBL_MIN.
+inline double exponential(uint64_t word) {
+  const double e = -std::log1p(static_cast<double>(word >> 11) * -0x1p-53);
+  return e < DBL_MIN ? DBL_MIN : e;
+}
+
+// argmax_i w[i] / E_i over the stream ``name``'s first n exponentials (the first on ties).
+// E_i = -log(1 - U_i) >= U_i, so w_i / U_i bounds the ratio from above: only the entries
+// whose bound reaches the ratio of the entry with the largest bound need their logarithm
+// (most weights are far below the largest), taken in order, so ties go to the first.
+int64_t race_stream(const char* name, size_t len, const float* w, int64_t n,
+                    std::vector<uint64_t>& words, std::vector<double>& bound) {
+  shake256_words(name, len, words.data(), n);
+  int64_t lead = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double u = static_cast<double>(words[i] >> 11) * 0x1p-53;
+    bound[i] = static_cast<double>(w[i]) / u;  // +inf for u = 0; 0 for a zero weight
+    if (bound[i] > bound[lead]) lead = i;
+  }
+  const double floor = static_cast<double>(w[lead]) / exponential(words[lead]) * (1 - 1e-9);
+  int64_t best = 0;
+  double top = -1.0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (bound[i] < floor) continue;  // its ratio is below the lead's: never the argmax
+    const double ratio = static_cast<double>(w[i]) / exponential(words[i]);
+    if (ratio > top) top = ratio, best = i;
+  }
+  return best;
+}
+
+// exp(x) for x <= 0, eight at a time (Cephes' polynomial); exactly 0 below -87.3 (and at
+// -inf: a removed token).
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                             _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(scale)), zero_below);
+}
+
+float exp_nonpositive(float x) {
+  alignas(32) float lane[8] = {x};
+  _mm256_store_ps(lane, exp_nonpositive(_mm256_load_ps(lane)));
+  return lane[0];
+}
+
+std::vector<int64_t> race(const at::Tensor& logits, c10::ArrayRef<double> temps,
+                          c10::ArrayRef<int64_t> seeds, c10::ArrayRef<int64_t> positions,
+                          int64_t groups, int64_t width) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
+              "nodraft::race: logits must be (R, V) float32");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(groups * width >= V && width > 0 && groups > 0,
+              "nodraft::race: groups * width must cover the vocabulary");
+  TORCH_CHECK(static_cast<int64_t>(temps.size()) == R &&
+                  static_cast<int64_t>(seeds.size()) == R &&
+                  static_cast<int64_t>(positions.size()) == R,
+              "nodraft::race: one temperature, seed and position per row");
+  const at::Tensor x = logits.contiguous();
+  std::vector<int64_t> out(R);
+  std::vector<float> w(groups * width + 8);
+  std::vector<float> mass(groups);
+  std::vector<uint64_t> words(groups > width ? groups : width);
+  std::vector<double> bound(words.size());
+  char name[96];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = x.data_ptr<float>() + r * V;
+    const float temp = static_cast<float>(temps[r]);
+    // the scaled row's largest value: the largest logit over the temperature (a correctly
+    // rounded division keeps the order), then the weights relative to it
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + v));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    float top = -INFINITY;
+    for (float lane : lanes) top = lane > top ? lane : top;
+    for (; v < V; ++v) top = row[v] > top ? row[v] : top;
+    top /= temp;
+    const __m256 vt = _mm256_set1_ps(temp), vtop = _mm256_set1_ps(top);
+    for (v = 0; v + 8 <= V; v += 8) {
+      const __m256 y = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(row + v), vt), vtop);
+      _mm256_storeu_ps(w.data() + v, exp_nonpositive(y));
+    }
+    for (; v < V; ++v) w[v] = exp_nonpositive(row[v] / temp - top);
+    for (; v < groups * width; ++v) w[v] = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) {  // eight partial sums a group, then theirs
+      const float* wg = w.data() + g * width;
+      __m256 acc = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= width; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(wg + i));
+      alignas(32) float part[8];
+      _mm256_store_ps(part, acc);
+      float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      for (; i < width; ++i) sum += wg[i];
+      mass[g] = sum;
+    }
+    const auto seed = static_cast<unsigned long long>(seeds[r]);
+    const auto pos = static_cast<long long>(positions[r]);
+    int len = std::snprintf(name, sizeof name, "race:%llu:%lld", seed, pos);
+    const int64_t g = race_stream(name, len, mass.data(), groups, words, bound);
+    len += std::snprintf(name + len, sizeof name - len, ":%lld", static_cast<long long>(g));
+    out[r] = g * width + race_stream(name, len, w.data() + g * width, width, words, bound);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nodraft, m) {
+  m.def("race(Tensor logits, float[] temps, int[] seeds, int[] positions, int groups, "
+        "int width) -> int[]");
+}
+TORCH_LIBRARY_IMPL(nodraft, CPU, m) { m.impl("race", &race); }
