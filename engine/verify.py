@@ -162,10 +162,10 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
 
     ``noise``: the race's per-position noise (seeded sampling's, or an unseeded request's
     for a draft without q: ``Sequence.race_noise``), None for the rejection rule; row 0
-    predicts sequence position ``pos`` and a node at depth d position ``pos + d``. ``targets``: each row's own token
-    -- greedy, its argmax; seeded, its race (``race_rows``) -- when the caller has them
-    already (a packed pass takes them for all its rows at once); the walk then reads only
-    these."""
+    predicts sequence position ``pos`` and a node at depth d position ``pos + d``.
+    ``targets``: each row's own token -- greedy, its argmax; racing, its race
+    (``race_rows``) -- when the caller has them already (a packed pass takes them for all
+    its rows at once); the walk then reads only these."""
     if logits.shape[0] == 1 and (sp.greedy or noise is not None):  # no draft: the target's
         if targets is not None:                                     # own token
             return [], targets[0]

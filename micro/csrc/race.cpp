@@ -216,7 +216,8 @@ std::vector<int64_t> race(const at::Tensor& logits, c10::ArrayRef<double> temps,
       for (; i + 8 <= width; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(wg + i));
       alignas(32) float part[8];
       _mm256_store_ps(part, acc);
-      float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+      float sum = ((part[0] + part[1]) + (part[2] + part[3])) +
+                  ((part[4] + part[5]) + (part[6] + part[7]));
       for (; i < width; ++i) sum += wg[i];
       mass[g] = sum;
     }
