@@ -37,6 +37,11 @@ from nodraft.engine.core import GenerationRequest
 from nodraft.engine.verify import SamplingParams
 from nodraft.micro import gemm
 
+try:  # run as a script
+    from inprocess import compiled_engine
+except ImportError:  # imported as benchmarks.race
+    from benchmarks.inprocess import compiled_engine
+
 
 def load_before(tree: Path):
     """``engine/sampling.py`` of another checkout, as a module of its own."""
@@ -103,21 +108,9 @@ def alone(fns: dict, vocab: int, rounds: int) -> dict:
 
 
 def in_engine(fns: dict, tokens: int, rounds: int) -> dict:
-    from nodraft.engine.process import build_engine, start_warm_up
     from nodraft.micro.checkpoint import load_tokenizer
-    from nodraft.server.settings import Settings
 
-    settings = Settings.from_argv(["--threads", "1", "--max-running", "8",
-                                   "--engine-process", "false"])
-    config = settings.engine_config()
-    engine = build_engine(config)
-    start_warm_up(engine, config)
-    while not engine.compiled_ready:
-        if engine.compiled_error is not None:  # eager passes are not what serves
-            raise RuntimeError(engine.compiled_error)
-        time.sleep(0.2)
-    while engine.idle_work():
-        engine.idle()
+    engine = compiled_engine(max_running=8)
     prompt = load_tokenizer().encode("def add(a, b):\n    return a + b\n\ndef mul(a, b):")
     method, params = engine.registry.parse({"method": "none"})
 

@@ -40,10 +40,12 @@ import threading
 import time
 from pathlib import Path
 
-try:
-    from checkouts import checkout_env, imported_from  # run as a script
+try:  # run as a script
+    from checkouts import checkout_env, imported_from
+    from inprocess import compiled_engine
 except ImportError:  # imported as benchmarks.unseeded
     from benchmarks.checkouts import checkout_env, imported_from
+    from benchmarks.inprocess import compiled_engine
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef mul(a, b):"
 TEMPERATURE = 0.8
@@ -58,23 +60,12 @@ def worker(tokens: int) -> None:
     import torch
 
     from nodraft.engine.core import GenerationRequest
-    from nodraft.engine.process import build_engine, start_warm_up
     from nodraft.engine.verify import SamplingParams
     from nodraft.micro.checkpoint import load_tokenizer
-    from nodraft.server.settings import Settings
 
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    config = Settings.from_argv(["--threads", "1", "--max-running", "32",
-                                 "--engine-process", "false"]).engine_config()
-    engine = build_engine(config)
-    start_warm_up(engine, config)
-    while not engine.compiled_ready:
-        if engine.compiled_error is not None:  # eager passes are not what serves
-            raise RuntimeError(engine.compiled_error)
-        time.sleep(0.2)
-    while engine.idle_work():
-        engine.idle()
+    engine = compiled_engine(max_running=32)
     prompt = load_tokenizer().encode(PROMPT)
     engine.eot_id = None  # every request runs to its max_tokens
     print("ready", flush=True)
