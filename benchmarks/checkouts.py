@@ -9,11 +9,15 @@ The project installs as the ``nodraft`` namespace (``nodraft.server`` is the rep
 answers for ``nodraft.*`` from ITS checkout whatever the working directory is, so running
 ``python -m nodraft...`` inside another checkout would run this one's code. The
 environment made here puts a folder first on ``PYTHONPATH`` whose ``nodraft/`` links to
-the other checkout's folders: imports find it before the editable finder is asked.
+the other checkout's folders: imports find it before the editable finder is asked. It
+also gives the checkout a ``TORCH_EXTENSIONS_DIR`` of its own (keyed by its path), so the
+two checkouts' builds of nodraft's kernels -- one extension name, two sources -- never
+share a build folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +37,8 @@ def checkout_env(checkout: str | os.PathLike, base: dict | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(shim.parent), *filter(None, [env.get("PYTHONPATH")])])
+    key = hashlib.sha1(str(checkout).encode()).hexdigest()[:10]
+    env["TORCH_EXTENSIONS_DIR"] = str(Path(tempfile.gettempdir()) / f"nodraft-extensions-{key}")
     return env
 
 

@@ -2,16 +2,16 @@
 
     git worktree add /tmp/before <commit>
     python benchmarks/unseeded.py --before /tmp/before [--tokens 256] [--rounds 7]
-                                  [--streams 8] [--out FILE.json]
+                                  [--streams 8] [--top-p 1.0] [--out FILE.json]
 
 What most sampled requests are -- OpenAI clients send no seed -- timed in the engine with
 no server around it, compiled passes ready, 1 torch thread on the first core: each checkout
 in a worker process of its own (``checkouts.checkout_env``), the two alternated in every
 round (the order flipped each round), the prompt of ``serving.py``:
 
-- one stream of ``none``, ``--tokens`` tokens, temperature 0.8 (top-k and top-p off),
-  unseeded; greedy and seeded beside it, the references an unseeded token is compared
-  with;
+- one stream of ``none``, ``--tokens`` tokens, temperature 0.8 (top-k off, top-p
+  ``--top-p``: 1.0, off, unless given), unseeded; greedy and seeded beside it, the
+  references an unseeded token is compared with;
 - ``--streams`` ``none`` streams at once (packed passes), seeded and unseeded, microseconds
   a token of their aggregate.
 
@@ -52,7 +52,7 @@ TEMPERATURE = 0.8
 SINGLE = [("none", 0.0, False), ("none", TEMPERATURE, True), ("none", TEMPERATURE, False)]
 
 
-def worker(tokens: int) -> None:
+def worker(tokens: int, top_p: float) -> None:
     """Reads ``method temperature seeded streams round`` lines; answers each with (tokens,
     seconds). Every request generates its ``tokens`` (the end of text does not stop it);
     torch's global stream, where unseeded requests draw their randomness, is seeded with the
@@ -85,7 +85,8 @@ def worker(tokens: int) -> None:
         t0 = time.perf_counter()
         for _ in range(int(streams)):
             engine.submit(GenerationRequest("micro", prompt, tokens,
-                                            SamplingParams(float(temperature), seed=seed),
+                                            SamplingParams(float(temperature), top_p=top_p,
+                                                           seed=seed),
                                             method,
                                             params), on)
         while engine.busy:
@@ -94,9 +95,10 @@ def worker(tokens: int) -> None:
 
 
 class Worker:
-    def __init__(self, env: dict, tokens: int):
+    def __init__(self, env: dict, tokens: int, top_p: float):
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", "--tokens",
-                                      str(tokens)], env=env, stdin=subprocess.PIPE,
+                                      str(tokens), "--top-p", str(top_p)], env=env,
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
 
@@ -139,11 +141,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampled requests' top_p")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        worker(args.tokens)
+        worker(args.tokens, args.top_p)
         return
     if not args.before:
         ap.error("--before CHECKOUT is required")
@@ -151,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     env = checkout_env(args.before)
     here = Path(__file__).resolve().parents[1]
     assert imported_from(env, "nodraft.engine.core").is_relative_to(Path(args.before).resolve())
-    workers = {"before": Worker(env, args.tokens), "after": Worker(os.environ.copy(), args.tokens)}
+    workers = {"before": Worker(env, args.tokens, args.top_p),
+               "after": Worker(os.environ.copy(), args.tokens, args.top_p)}
     assert imported_from(os.environ.copy(), "nodraft.engine.core").is_relative_to(here)
     cases = [(m, t, sd, 1) for m, t, sd in SINGLE] + [
         ("none", TEMPERATURE, sd, args.streams) for sd in (True, False)]
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"command": "python benchmarks/unseeded.py " + " ".join(argv or sys.argv[1:]),
               "machine": platform.processor() or platform.machine(),
               "started_utc": started,
-              "tokens": args.tokens, "rounds": args.rounds, **summary(us), "raw_us": us}
+              "tokens": args.tokens, "rounds": args.rounds, "top_p": args.top_p,
+              **summary(us), "raw_us": us}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

@@ -53,8 +53,7 @@ from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats
-from nodraft.engine.sampling import race
-from nodraft.engine.verify import SamplingParams, kept, races_whole
+from nodraft.engine.verify import SamplingParams, race_blocks, races_whole
 
 log = logging.getLogger("nodraft.engine")
 
@@ -641,8 +640,9 @@ def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
     """Per job of a packed pass, its block rows' own tokens (``verify.accept``): greedy, the
     argmax; sampling that races (``Sequence.race_noise``), the race -- each kind taken for
     all its rows in one call, not one per sequence. None for the rest (drafts with their q
-    under unseeded sampling; drafted blocks too big to race whole, or whose rows top-k or
-    top-p filter): ``accept`` finds those."""
+    under unseeded sampling; drafted blocks too big to race whole, or filtered by top-k or
+    top-p where the race cannot filter inside: ``verify.races_whole``): ``accept`` finds
+    those."""
     greedy, racing = [], []
     for j, (h, draft) in enumerate(jobs):
         if draft is None:
@@ -657,30 +657,17 @@ def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
         _scatter(out, greedy, [outputs[j][0].shape[0] for j in greedy],
                  torch.cat([outputs[j][0] for j in greedy]).max(-1).indices.tolist())
     if racing:
-        rows, temps, noises, positions, sizes = [], [], [], [], []
+        rows, noises, positions, sizes = [], [], [], []
         for j in racing:
             h, draft = jobs[j]
             n = len(draft) + 1
             rows.append(outputs[j][0][:n])
             sizes.append(n)
-            temps += [h.request.sampling.temperature] * n
             noises += [h.sequence.race_noise(draft)] * n
             start = len(h.sequence.tokens)
             positions += [start + d for d in (0, *draft.depths())]
-        logits = torch.cat(rows).float()
-        if not any(jobs[j][0].request.sampling.filters for j in racing):
-            _scatter(out, racing, sizes, race(logits, noises, positions, temps))
-            return out
-        scaled = logits.div_(torch.tensor(temps)[:, None])
-        o = 0
-        for j, n in zip(racing, sizes):  # top-k and top-p, per request (one row each)
-            sp = jobs[j][0].request.sampling
-            if sp.filters:
-                keep = kept(scaled[o:o + n], sp)
-                if keep is not None:
-                    scaled[o:o + n].masked_fill_(~keep, float("-inf"))
-            o += n
-        _scatter(out, racing, sizes, race(scaled, noises, positions))
+        blocks = [(jobs[j][0].request.sampling, n) for j, n in zip(racing, sizes)]
+        _scatter(out, racing, sizes, race_blocks(torch.cat(rows), blocks, noises, positions))
     return out
 
 

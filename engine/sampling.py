@@ -41,9 +41,10 @@ Weights and group masses are float32 (relative to the row's largest logit), the 
 the exponentials float64.
 
 Two implementations of the same race: ``nodraft::race`` (micro/csrc/race.cpp: SHAKE256,
-the weights' exponentials and both argmaxes in one pass of C++ a row), wherever this
-process has loaded nodraft's kernels -- as the compiled passes do (``micro.gemm``) -- and
-numpy array operations elsewhere (eager passes, no compiler, or ``NODRAFT_RACE=numpy``).
+the weights' exponentials, top-k and top-p, and both argmaxes in one pass of C++ a row),
+wherever this process has loaded nodraft's kernels -- as the compiled passes do
+(``micro.gemm``) -- and numpy array operations elsewhere (eager passes, no compiler, or
+``NODRAFT_RACE=numpy``), over logits that ``engine.verify.kept`` masked first.
 They read the same noise, bit for bit, and compute the weights' exponentials differently
 in the last places of a float32, so they pick the same token but where two ratios tie to
 that rounding (9,000 of 9,000 random rows agreed in ``benchmarks/race.py --kernel``;
@@ -120,9 +121,10 @@ def member_stream(group_stream: bytes, group: int) -> bytes:
 
 
 def native() -> bool:
-    """Whether ``race`` runs ``nodraft::race`` (micro/csrc/race.cpp): where this process
-    has loaded nodraft's kernels (``micro.gemm.load``, as the compiled passes do) and
-    ``NODRAFT_RACE`` is not ``numpy``."""
+    """Whether ``race`` runs ``nodraft::race`` and top-k and top-p's kept set is
+    ``nodraft::kept`` (micro/csrc/race.cpp): where this process has loaded nodraft's
+    kernels (``micro.gemm.load``, as the compiled passes do) and ``NODRAFT_RACE`` is not
+    ``numpy``."""
     return gemm.unit() is not None and os.environ.get("NODRAFT_RACE", "").lower() != "numpy"
 
 
@@ -141,12 +143,28 @@ def race(scaled: Tensor, noises: list[PositionNoise], positions: list[int],
 
 
 def race_kernel(scaled: Tensor, noises: list[PositionNoise], positions: list[int],
-                temperatures: list[float] | None = None) -> list[int]:
-    """``race`` as ``nodraft::race`` (nodraft's kernels loaded: ``micro.gemm.load``)."""
+                temperatures: list[float] | None = None, top_ks: list[int] | None = None,
+                top_ps: list[float] | None = None) -> list[int]:
+    """``race`` as ``nodraft::race`` (nodraft's kernels loaded: ``micro.gemm.load``); with
+    ``top_ks`` / ``top_ps``, row r's top-k and top-p remove tokens inside the call first,
+    by ``engine.verify.kept``'s rule (``kept_kernel``)."""
+    R = scaled.shape[0]
     seeds = [n.seed - 2**64 if n.seed >= 2**63 else n.seed for n in noises]  # int64 bits
     return torch.ops.nodraft.race.default(
-        scaled.detach().float(), temperatures or [1.0] * scaled.shape[0], seeds, positions,
-        noises[0].groups, noises[0].width)
+        scaled.detach().float(), temperatures or [1.0] * R, seeds, positions,
+        noises[0].groups, noises[0].width, top_ks or [0] * R, top_ps or [1.0] * R)
+
+
+def kept_kernel(scaled: Tensor, top_k: int, top_p: float) -> Tensor:
+    """``engine.verify.kept`` as ``nodraft::kept``: bool (..., V), the tokens top-k, then
+    top-p, keep of the rows ``scaled`` (float32 logits over the temperature), found by a
+    radix select rather than a sort. Its sums are float64 and in another order than a
+    cumulative sum's, so a token whose mass above lies within rounding of ``top_p`` can be
+    kept by one and not the other."""
+    rows = scaled.detach().float().reshape(-1, scaled.shape[-1])
+    R = rows.shape[0]
+    return torch.ops.nodraft.kept.default(rows, [1.0] * R, [top_k] * R,
+                                          [top_p] * R).reshape(scaled.shape)
 
 
 def race_numpy(scaled: Tensor, noises: list[PositionNoise], positions: list[int],

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from nodraft.drafters.base import Draft
-from nodraft.engine.sampling import PositionNoise, race
+from nodraft.engine.sampling import PositionNoise, kept_kernel, native, race, race_kernel, race_numpy
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (logits / 1e-300 overflow)
@@ -71,8 +71,9 @@ RACE_ROWS = 16
 
 def races_whole(n_draft: int, sp: SamplingParams) -> bool:
     """Whether seeded verification races every row of a block of ``n_draft`` nodes at once
-    (``RACE_ROWS``) rather than the rows its walk visits."""
-    return not n_draft or n_draft < RACE_ROWS and not sp.filters
+    (``RACE_ROWS``) rather than the rows its walk visits: top-k and top-p filter inside the
+    race where ``nodraft::race`` serves (``engine.sampling.native``), at little cost a row."""
+    return not n_draft or n_draft < RACE_ROWS and (not sp.filters or native())
 
 
 def target_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
@@ -86,10 +87,19 @@ def kept(scaled: Tensor, sp: SamplingParams) -> Tensor | None:
     over the temperature, float32); None when both keep every token.
 
     Top-p keeps the smallest prefix of the tokens, most likely first, whose probabilities
-    reach ``top_p`` (never less than the most likely token). That prefix is looked for in
-    the ``NUCLEUS_TOPK`` most likely tokens first (``topk``, cheaper than ranking the whole
-    vocabulary): where it ends inside them in every row, the rest of the ranking cannot
-    matter, and the result is the full sort's."""
+    reach ``top_p`` (never less than the most likely token); tokens as likely as its last
+    are kept with it. Put another way, a token is kept iff the tokens more likely than it
+    weigh less than ``top_p``; top-k, iff fewer than ``top_k`` are more likely.
+
+    Where nodraft's kernels are loaded (``engine.sampling.native``), ``nodraft::kept``
+    finds the set by a radix select (``engine.sampling.kept_kernel``). Elsewhere the prefix
+    is looked for in the ``NUCLEUS_TOPK`` most likely tokens first (``topk``, cheaper than
+    ranking the whole vocabulary): where it ends inside them in every row, the rest of the
+    ranking cannot matter, and the result is the full sort's."""
+    if sp.top_p >= 1.0 and not 0 < sp.top_k < scaled.shape[-1]:
+        return None
+    if native():
+        return kept_kernel(scaled, sp.top_k, sp.top_p)
     keep = None
     if sp.top_k and sp.top_k < scaled.shape[-1]:
         kth = scaled.topk(sp.top_k, dim=-1).values[..., -1:]
@@ -115,12 +125,33 @@ def scaled_logits(logits: Tensor, sp: SamplingParams) -> Tensor:
 def race_rows(logits: Tensor, sp: SamplingParams, noise: PositionNoise,
               positions: list[int]) -> list[int]:
     """The race's token at each row of ``logits`` (R, V), row r predicting sequence
-    position ``positions[r]``, in one call (the temperature divides inside it where no
-    top-k or top-p filter applies)."""
-    n = len(positions)
-    if sp.filters:
-        return race(scaled_logits(logits, sp), [noise] * n, positions)
-    return race(logits.float(), [noise] * n, positions, [sp.temperature] * n)
+    position ``positions[r]``, in one call (``race_blocks``)."""
+    return race_blocks(logits, [(sp, len(positions))], [noise] * len(positions), positions)
+
+
+def race_blocks(logits: Tensor, blocks: list[tuple[SamplingParams, int]],
+                noises: list[PositionNoise], positions: list[int]) -> list[int]:
+    """The race's token at each row of ``logits`` (R, V): consecutive blocks of rows, each
+    ``(sampling, rows)``, row r racing with ``noises[r]`` at sequence position
+    ``positions[r]``. One call for every row: with ``nodraft::race`` the temperature, top-k
+    and top-p apply inside it; otherwise top-k and top-p mask each filtered block first
+    (``kept``)."""
+    temps = [sp.temperature for sp, n in blocks for _ in range(n)]
+    logits = logits.float()
+    if not any(sp.filters for sp, _ in blocks):
+        return race(logits, noises, positions, temps)
+    if native():
+        return race_kernel(logits, noises, positions, temps,
+                           [sp.top_k for sp, n in blocks for _ in range(n)],
+                           [sp.top_p for sp, n in blocks for _ in range(n)])
+    scaled = logits / torch.tensor(temps)[:, None]
+    o = 0
+    for sp, n in blocks:
+        keep = kept(scaled[o:o + n], sp)
+        if keep is not None:
+            scaled[o:o + n].masked_fill_(~keep, float("-inf"))
+        o += n
+    return race_numpy(scaled, noises, positions)
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:
@@ -134,11 +165,18 @@ def _nucleus(probs: Tensor, top_p: float) -> Tensor:
         if bool((before[..., -1] >= top_p).all()):  # the k-th is out: so is all after it
             keep = before < top_p
             keep[..., 0] = True
-            return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, keep)
+            return _with_ties(probs, vals, keep)
     vals, order = probs.sort(dim=-1, descending=True)
     keep = (vals.cumsum(-1) - vals) < top_p  # the smallest prefix reaching top_p
     keep[..., 0] = True  # ...and never less than the most likely token
-    return keep.scatter(-1, order, keep)
+    return _with_ties(probs, vals, keep)
+
+
+def _with_ties(probs: Tensor, vals: Tensor, keep: Tensor) -> Tensor:
+    """Bool (..., V): every token at least as likely as the last of ``keep``, a prefix of
+    ``vals`` (probabilities, most likely first)."""
+    least = vals.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
+    return probs >= least
 
 
 def children_of(draft: Draft) -> list[list[int]]:

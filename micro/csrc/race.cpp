@@ -1,7 +1,7 @@
 // nodraft::race -- the sampling race of engine/sampling.py, one row in one pass of C++.
 //
-// For each row r of ``logits`` (R, V) float32 -- -inf where top-k or top-p removed a token
-// -- divided by ``temps[r]``, with the row's race named by (``seeds[r]``, ``positions[r]``):
+// For each row r of ``logits`` (R, V) float32 (-inf: a token removed beforehand) divided by
+// ``temps[r]``, with the row's race named by (``seeds[r]``, ``positions[r]``):
 //
 //   w(v)  = exp(l(v) / T - max_u l(u) / T)          the weights (zero where removed)
 //   m(g)  = sum of w over group g                     ``groups`` blocks of ``width`` ids
@@ -17,7 +17,17 @@
 // where two ratios tie to float32 rounding the two races can pick differently: each is
 // exact sampling from its own weights.
 //
+// Top-k and top-p (``top_ks[r]``, ``top_ps[r]``; 0 and 1 keep every token) remove tokens
+// from the row before the race, top-k first, by the rule of engine/verify.py ``kept``: a
+// token v is kept iff the tokens whose scaled logit is strictly above v's number fewer than
+// k (top-k), and weigh less than top_p of the row's weight (top-p, over what top-k kept).
+// Tokens of equal logits are kept or removed together, and the most likely are always
+// kept. ``keep_from`` finds that threshold by a radix select, with no sort.
+//
 // Rows are independent: a row's token does not depend on the others in the call.
+//
+// ``nodraft::kept`` returns the kept tokens themselves, (R, V) bool, for the paths that
+// need the distribution rather than a race (verification with a draft's q).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -169,48 +179,200 @@ float exp_nonpositive(float x) {
   return lane[0];
 }
 
+// -- top-k and top-p ----------------------------------------------------------------------
+// A float's bits as an unsigned key in the float's order (-inf lowest; NaN aside).
+inline uint32_t order_key(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+struct Select {
+  std::vector<int32_t> cand, next;
+  double measure[2048];
+};
+
+// The smallest kept key: token i is kept iff measure({j : key[j] > key[i]}) < target, where
+// the measure of j is w[j] (w null: 1), over the tokens ``s.cand[0, m)`` -- every other
+// token must be below all of them and removed (``row_weights`` leaves out only such). A
+// radix select over the key's digits (11, 11 and 10 bits): at each digit, the first bin
+// from the top whose measure brings the measure above it to the target holds the
+// threshold -- every token in a higher bin is kept (what is above it weighs less), every
+// token in a lower one removed -- and only that bin's tokens are read at the next digit.
+// At the last digit a bin is one key, so tokens of equal keys are kept together. For a
+// target <= 0 only the highest key is kept; a target the candidates do not reach keeps
+// them all.
+uint32_t keep_from(const uint32_t* key, const float* w, int64_t m, double target, Select& s) {
+  if (target <= 0.0) {
+    uint32_t most = 0;
+    for (int64_t j = 0; j < m; ++j) most = key[s.cand[j]] > most ? key[s.cand[j]] : most;
+    return most;
+  }
+  constexpr int kShift[3] = {21, 10, 0};
+  constexpr uint32_t kBins[3] = {2048, 2048, 1024};
+  double above = 0.0;
+  uint32_t base = 0;  // the digits fixed so far, the rest zero
+  for (int level = 0; level < 3; ++level) {
+    const int shift = kShift[level];
+    const uint32_t bins = kBins[level];
+    std::memset(s.measure, 0, sizeof(double) * bins);
+    for (int64_t j = 0; j < m; ++j) {
+      const int32_t i = s.cand[j];
+      s.measure[(key[i] >> shift) & (bins - 1)] += w ? static_cast<double>(w[i]) : 1.0;
+    }
+    int64_t b = bins - 1;  // an empty bin never crosses a target above 0
+    for (; b >= 0 && above + s.measure[b] < target; --b) above += s.measure[b];
+    if (b < 0) return base;  // the target is not reached: keep every candidate
+    base |= static_cast<uint32_t>(b) << shift;
+    if (level == 2) break;
+    int64_t k = 0;
+    for (int64_t j = 0; j < m; ++j) {
+      const int32_t i = s.cand[j];
+      if (((key[i] >> shift) & (bins - 1)) == static_cast<uint32_t>(b)) s.next[k++] = i;
+    }
+    std::swap(s.cand, s.next);
+    m = k;
+  }
+  return base;
+}
+
+// Row scratch: the scaled logits' keys and the weights (``groups * width`` of them, the
+// padding zero), the row's largest scaled logit.
+struct Row {
+  std::vector<float> w;
+  std::vector<uint32_t> key;
+  Select select;
+};
+
+// The weights w(v) = exp(l(v) / T - max l / T) of one row, zero where top-k or top-p removed
+// v; with ``keys``, each token's order key of l(v) / T (filled whenever a filter applies).
+// Returns the smallest kept key (0: every token kept).
+uint32_t row_weights(const float* row, int64_t V, int64_t padded, float temp, int64_t top_k,
+                     double top_p, Row& s) {
+  float* w = s.w.data();
+  // the scaled row's largest value: the largest logit over the temperature (a correctly
+  // rounded division keeps the order), then the weights relative to it
+  __m256 vmax = _mm256_set1_ps(-INFINITY);
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + v));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  float top = -INFINITY;
+  for (float lane : lanes) top = lane > top ? lane : top;
+  for (; v < V; ++v) top = row[v] > top ? row[v] : top;
+  top /= temp;
+  const __m256 vt = _mm256_set1_ps(temp), vtop = _mm256_set1_ps(top);
+  const bool filters = (top_k > 0 && top_k < V) || top_p < 1.0;
+  if (filters) {
+    uint32_t* key = s.key.data();
+    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+    for (v = 0; v + 8 <= V; v += 8) {
+      const __m256 y = _mm256_div_ps(_mm256_loadu_ps(row + v), vt);
+      _mm256_storeu_ps(w + v, exp_nonpositive(_mm256_sub_ps(y, vtop)));
+      const __m256i bits = _mm256_castps_si256(y);  // order_key, eight at a time
+      const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(bits, 31), sign);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(key + v), _mm256_xor_si256(bits, flip));
+    }
+    for (; v < V; ++v) {
+      const float y = row[v] / temp;
+      w[v] = exp_nonpositive(y - top);
+      key[v] = order_key(y);
+    }
+  } else {
+    for (v = 0; v + 8 <= V; v += 8) {
+      const __m256 y = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(row + v), vt), vtop);
+      _mm256_storeu_ps(w + v, exp_nonpositive(y));
+    }
+    for (; v < V; ++v) w[v] = exp_nonpositive(row[v] / temp - top);
+  }
+  for (; v < padded; ++v) w[v] = 0.0f;
+  if (!filters) return 0;
+  const uint32_t* key = s.key.data();
+  std::vector<int32_t>& cand = s.select.cand;
+  cand.resize(V);
+  s.select.next.resize(V);
+  uint32_t least = 0;
+  if (top_k > 0 && top_k < V) {
+    for (v = 0; v < V; ++v) cand[v] = static_cast<int32_t>(v);
+    least = keep_from(key, nullptr, V, static_cast<double>(top_k), s.select);
+    for (v = 0; v < V; ++v) w[v] = key[v] >= least ? w[v] : 0.0f;
+  }
+  if (top_p < 1.0) {
+    double total = 0.0;
+    for (v = 0; v < V; ++v) total += w[v];
+    // a token whose scaled logit is below top + log(c), c = (1 - top_p) * total / (2V),
+    // weighs under c, and so do all below it: together under (1 - top_p) * total, so what
+    // is above it reaches top_p * total and it is removed. Only the rest are candidates.
+    const double c = (1.0 - top_p) * total / (2.0 * static_cast<double>(V));
+    const uint32_t floor = c > 0.0 ? order_key(top + static_cast<float>(std::log(c))) : 0;
+    int64_t m = 0;
+    for (v = 0; v < V; ++v)
+      if (key[v] >= floor && key[v] >= least) cand[m++] = static_cast<int32_t>(v);
+    const uint32_t nucleus = keep_from(key, w, m, top_p * total, s.select);
+    if (nucleus > least) {
+      least = nucleus;
+      for (v = 0; v < V; ++v) w[v] = key[v] >= least ? w[v] : 0.0f;
+    }
+  }
+  return least;
+}
+
+void check_rows(const at::Tensor& logits, int64_t R, size_t temps, size_t top_ks,
+                size_t top_ps, const char* op) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, op,
+              ": logits must be (R, V) float32");
+  TORCH_CHECK(static_cast<int64_t>(temps) == R && static_cast<int64_t>(top_ks) == R &&
+                  static_cast<int64_t>(top_ps) == R,
+              op, ": one temperature, top-k and top-p per row");
+}
+
+at::Tensor kept(const at::Tensor& logits, c10::ArrayRef<double> temps,
+                c10::ArrayRef<int64_t> top_ks, c10::ArrayRef<double> top_ps) {
+  const int64_t R = logits.dim() == 2 ? logits.size(0) : 0, V = logits.size(-1);
+  check_rows(logits, R, temps.size(), top_ks.size(), top_ps.size(), "nodraft::kept");
+  const at::Tensor x = logits.contiguous();
+  at::Tensor out = at::empty({R, V}, logits.options().dtype(at::kBool));
+  bool* keep = out.data_ptr<bool>();
+  Row s;
+  s.w.resize(V + 8);
+  s.key.resize(V + 8);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t k = top_ks[r];
+    const double p = top_ps[r];
+    const bool filters = (k > 0 && k < V) || p < 1.0;
+    const float* row = x.data_ptr<float>() + r * V;
+    const uint32_t least = row_weights(row, V, V, static_cast<float>(temps[r]), k, p, s);
+    for (int64_t v = 0; v < V; ++v) keep[r * V + v] = !filters || s.key[v] >= least;
+  }
+  return out;
+}
+
 std::vector<int64_t> race(const at::Tensor& logits, c10::ArrayRef<double> temps,
                           c10::ArrayRef<int64_t> seeds, c10::ArrayRef<int64_t> positions,
-                          int64_t groups, int64_t width) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat,
-              "nodraft::race: logits must be (R, V) float32");
-  const int64_t R = logits.size(0), V = logits.size(1);
+                          int64_t groups, int64_t width, c10::ArrayRef<int64_t> top_ks,
+                          c10::ArrayRef<double> top_ps) {
+  const int64_t R = logits.dim() == 2 ? logits.size(0) : 0, V = logits.size(-1);
+  check_rows(logits, R, temps.size(), top_ks.size(), top_ps.size(), "nodraft::race");
   TORCH_CHECK(groups * width >= V && width > 0 && groups > 0,
               "nodraft::race: groups * width must cover the vocabulary");
-  TORCH_CHECK(static_cast<int64_t>(temps.size()) == R &&
-                  static_cast<int64_t>(seeds.size()) == R &&
+  TORCH_CHECK(static_cast<int64_t>(seeds.size()) == R &&
                   static_cast<int64_t>(positions.size()) == R,
-              "nodraft::race: one temperature, seed and position per row");
+              "nodraft::race: one seed and position per row");
   const at::Tensor x = logits.contiguous();
   std::vector<int64_t> out(R);
-  std::vector<float> w(groups * width + 8);
+  Row s;
+  s.w.resize(groups * width + 8);
+  s.key.resize(V + 8);
   std::vector<float> mass(groups);
   std::vector<uint64_t> words(groups > width ? groups : width);
   std::vector<double> bound(words.size());
   char name[96];
   for (int64_t r = 0; r < R; ++r) {
     const float* row = x.data_ptr<float>() + r * V;
-    const float temp = static_cast<float>(temps[r]);
-    // the scaled row's largest value: the largest logit over the temperature (a correctly
-    // rounded division keeps the order), then the weights relative to it
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    int64_t v = 0;
-    for (; v + 8 <= V; v += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(row + v));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vmax);
-    float top = -INFINITY;
-    for (float lane : lanes) top = lane > top ? lane : top;
-    for (; v < V; ++v) top = row[v] > top ? row[v] : top;
-    top /= temp;
-    const __m256 vt = _mm256_set1_ps(temp), vtop = _mm256_set1_ps(top);
-    for (v = 0; v + 8 <= V; v += 8) {
-      const __m256 y = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(row + v), vt), vtop);
-      _mm256_storeu_ps(w.data() + v, exp_nonpositive(y));
-    }
-    for (; v < V; ++v) w[v] = exp_nonpositive(row[v] / temp - top);
-    for (; v < groups * width; ++v) w[v] = 0.0f;
+    row_weights(row, V, groups * width, static_cast<float>(temps[r]), top_ks[r], top_ps[r], s);
+    const float* w = s.w.data();
     for (int64_t g = 0; g < groups; ++g) {  // eight partial sums a group, then theirs
-      const float* wg = w.data() + g * width;
+      const float* wg = w + g * width;
       __m256 acc = _mm256_setzero_ps();
       int64_t i = 0;
       for (; i + 8 <= width; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(wg + i));
@@ -226,7 +388,7 @@ std::vector<int64_t> race(const at::Tensor& logits, c10::ArrayRef<double> temps,
     int len = std::snprintf(name, sizeof name, "race:%llu:%lld", seed, pos);
     const int64_t g = race_stream(name, len, mass.data(), groups, words, bound);
     len += std::snprintf(name + len, sizeof name - len, ":%lld", static_cast<long long>(g));
-    out[r] = g * width + race_stream(name, len, w.data() + g * width, width, words, bound);
+    out[r] = g * width + race_stream(name, len, w + g * width, width, words, bound);
   }
   return out;
 }
@@ -235,6 +397,10 @@ std::vector<int64_t> race(const at::Tensor& logits, c10::ArrayRef<double> temps,
 
 TORCH_LIBRARY_FRAGMENT(nodraft, m) {
   m.def("race(Tensor logits, float[] temps, int[] seeds, int[] positions, int groups, "
-        "int width) -> int[]");
+        "int width, int[] top_ks, float[] top_ps) -> int[]");
+  m.def("kept(Tensor logits, float[] temps, int[] top_ks, float[] top_ps) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(nodraft, CPU, m) { m.impl("race", &race); }
+TORCH_LIBRARY_IMPL(nodraft, CPU, m) {
+  m.impl("race", &race);
+  m.impl("kept", &kept);
+}

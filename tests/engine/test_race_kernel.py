@@ -1,7 +1,9 @@
 """``nodraft::race`` (micro/csrc/race.cpp), the race ``engine.sampling.race`` runs where
 nodraft's kernels are loaded: the same noise as the numpy race (SHAKE256, bit for bit), the
 same tokens but where float32 rounding ties two ratios, the target's distribution, and each
-row's token independent of the rest of the call."""
+row's token independent of the rest of the call. And ``nodraft::kept``, top-k and top-p's
+kept tokens by a radix select: the sort's set but where a token's mass above lies within
+rounding of ``top_p``; ties kept together; inside the race, removed tokens never drawn."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from nodraft.engine import sampling
-from nodraft.engine.sampling import PositionNoise, race
+from nodraft.engine import sampling, verify
+from nodraft.engine.sampling import PositionNoise, kept_kernel, race
+from nodraft.engine.verify import SamplingParams
 from nodraft.micro import gemm
 
 pytestmark = pytest.mark.skipif(not gemm.load(), reason=f"nodraft's kernels: {gemm.why()}")
@@ -103,6 +106,114 @@ def test_the_kernel_samples_the_target_distribution(vocab):
     keep = expected >= 5
     obs = np.append(counts[keep], counts[~keep].sum())
     exp = np.append(expected[keep], expected[~keep].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def exact_kept(scaled: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, margin) of each token by the rule, in float64: kept iff fewer than ``top_k``
+    tokens are strictly above it and those top-k keeps above it weigh under ``top_p``;
+    margin, how far that mass above lies from ``top_p`` (relative)."""
+    x = scaled.double()
+    above = (x[:, None, :] > x[:, :, None])  # (R, V, V): u above v
+    keep = torch.ones_like(x, dtype=torch.bool)
+    if 0 < top_k < x.shape[-1]:
+        keep = above.sum(-1) < top_k
+        x = x.masked_fill(~keep, float("-inf"))
+    p = x.softmax(-1)
+    mass = (above * p[:, None, :]).sum(-1)
+    if top_p < 1.0:
+        keep &= (mass < top_p) | (x == x.max(-1, keepdim=True).values)
+    return keep, (mass - top_p).abs() / top_p
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.95), (0, 0.5), (0, 0.999), (40, 1.0),
+                                         (40, 0.8), (1, 0.9), (0, 0.0)])
+def test_kept_is_the_rule_but_within_rounding_of_top_p(top_k, top_p):
+    """The kernel's kept set against the rule computed by brute force in float64 (every
+    pair of tokens compared): equal, but for tokens whose mass above lies within 1e-5 of
+    ``top_p`` -- the kernel's sums are float64 in its own order -- and there are few.
+    Top-k counts, so it agrees exactly."""
+    torch.manual_seed(4)
+    differ = 0
+    for trial in range(40):
+        x = torch.randn(4, 1024) * (0.5 + trial % 8)
+        if trial % 4 == 0:
+            x[:, torch.randperm(1024)[:300]] = float("-inf")
+        scaled = x / 0.8
+        want, margin = exact_kept(scaled, top_k, top_p)
+        got = kept_kernel(scaled, top_k, top_p)
+        wrong = got != want
+        assert bool((margin[wrong] < 1e-5).all()), margin[wrong]
+        differ += int(wrong.sum())
+        if top_p >= 1.0:
+            assert not wrong.any()
+    assert differ <= 2, differ
+
+
+@pytest.mark.parametrize("implementation", ["numpy", "native"])
+def test_tokens_of_equal_logits_are_kept_together(monkeypatch, implementation):
+    """Ties: equal logits are kept or removed together, in both implementations -- the
+    rule is the set of tokens with less than ``top_p`` above them (fewer than ``top_k``),
+    whichever way a sort would order the tied."""
+    if implementation == "numpy":
+        monkeypatch.setenv("NODRAFT_RACE", "numpy")
+    assert sampling.native() == (implementation == "native")
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0, 0.0, -1.0, -1.0]])
+    for sp, want in [(SamplingParams(temperature=1.0, top_p=0.5), 4),
+                     (SamplingParams(temperature=1.0, top_k=2), 4),
+                     (SamplingParams(temperature=1.0, top_k=5), 6),
+                     (SamplingParams(temperature=1.0, top_p=0.01), 1)]:
+        keep = verify.kept(logits / sp.temperature, sp)
+        assert keep[0].tolist() == [True] * want + [False] * (8 - want), sp
+    flat = torch.zeros(1, 64)
+    assert verify.kept(flat, SamplingParams(temperature=1.0, top_p=0.3, top_k=5)).all()
+
+
+def test_the_filtered_race_agrees_with_numpy(monkeypatch):
+    """Top-k and top-p inside ``nodraft::race`` against the numpy race over the masked
+    logits, per-row settings in one call (``verify.race_blocks``): the same tokens but at
+    rounding ties, at most 1 row in 1,000."""
+    torch.manual_seed(5)
+    settings = [SamplingParams(temperature=0.7, top_p=0.95), SamplingParams(temperature=1.0),
+                SamplingParams(temperature=0.9, top_k=50, top_p=0.9),
+                SamplingParams(temperature=1.2, top_k=20)]
+    agree = total = 0
+    for trial in range(150):
+        x = torch.randn(10, 4096) * (1 + trial % 5)
+        blocks = [(settings[(trial + b) % 4], n) for b, n in enumerate((3, 1, 4, 2))]
+        noises = [PositionNoise(trial * 10 + r, 4096) for r in range(10)]
+        args = (x, blocks, noises, list(range(10)))
+        monkeypatch.setenv("NODRAFT_RACE", "numpy")
+        want = verify.race_blocks(*args)
+        monkeypatch.delenv("NODRAFT_RACE")
+        got = verify.race_blocks(*args)
+        agree += sum(a == b for a, b in zip(want, got))
+        total += 10
+    assert agree >= total * 0.999, (agree, total)
+
+
+def test_the_filtered_race_samples_the_filtered_distribution():
+    """Over many seeds, the race with top-k and top-p inside draws each kept token as often
+    as ``target_probs`` gives it, removed tokens never (chi-square, rare cells pooled)."""
+    torch.manual_seed(6)
+    vocab, n = 50, 20_000
+    logits = torch.randn(vocab) * 2
+    sp = SamplingParams(temperature=0.9, top_k=30, top_p=0.85)
+    p = verify.target_probs(logits, sp).double().numpy()
+    assert (p == 0).sum() > vocab - 30  # the filters removed something
+    x = logits.expand(1000, vocab).contiguous()
+    counts = np.zeros(vocab)
+    for block in range(n // 1000):
+        noises = [PositionNoise(block * 1000 + r, vocab) for r in range(1000)]
+        for tok in verify.race_blocks(x, [(sp, 1000)], noises, [5] * 1000):
+            counts[tok] += 1
+    assert counts[p == 0].sum() == 0
+    expected = p / p.sum() * n
+    keep = expected >= 5
+    obs = np.append(counts[keep], counts[~keep & (p > 0)].sum())
+    exp = np.append(expected[keep], expected[~keep & (p > 0)].sum())
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     assert chisquare(obs, exp).pvalue > 1e-3
