@@ -650,7 +650,7 @@ def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
         if h.request.sampling.greedy:
             greedy.append(j)
         elif (h.sequence.race_noise(draft) is not None
-              and races_whole(len(draft), h.request.sampling)):
+              and races_whole(len(draft), h.request.sampling, packed=True)):
             racing.append(j)
     out: list[list[int] | None] = [None] * len(jobs)
     if greedy:

@@ -69,11 +69,17 @@ NUCLEUS_TOPK = (256, 1024)  # top-k sizes tried for top-p's nucleus before a ful
 RACE_ROWS = 16
 
 
-def races_whole(n_draft: int, sp: SamplingParams) -> bool:
-    """Whether seeded verification races every row of a block of ``n_draft`` nodes at once
-    (``RACE_ROWS``) rather than the rows its walk visits: top-k and top-p filter inside the
-    race where ``nodraft::race`` serves (``engine.sampling.native``), at little cost a row."""
-    return not n_draft or n_draft < RACE_ROWS and (not sp.filters or native())
+def races_whole(n_draft: int, sp: SamplingParams, packed: bool = False) -> bool:
+    """Whether verification with the race races every row of a block of ``n_draft`` nodes
+    at once (``RACE_ROWS``) rather than the rows its walk visits. A filtered row (top-k,
+    top-p) costs more to race than the call around it, and a sampled walk seldom visits
+    more than a row or two, so a lone block whose rows are filtered is walked; a ``packed``
+    pass races all its sequences' rows in one call, which shares that call's cost, so there
+    filtered blocks race whole too where ``nodraft::race`` filters inside
+    (``engine.sampling.native``)."""
+    if not n_draft:
+        return True
+    return n_draft < RACE_ROWS and (not sp.filters or packed and native())
 
 
 def target_probs(logits: Tensor, sp: SamplingParams) -> Tensor:
