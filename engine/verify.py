@@ -140,8 +140,8 @@ def race_blocks(logits: Tensor, blocks: list[tuple[SamplingParams, int]],
     """The race's token at each row of ``logits`` (R, V): consecutive blocks of rows, each
     ``(sampling, rows)``, row r racing with ``noises[r]`` at sequence position
     ``positions[r]``. One call for every row: with ``nodraft::race`` the temperature, top-k
-    and top-p apply inside it; otherwise top-k and top-p mask each filtered block first
-    (``kept``)."""
+    and top-p apply inside it; otherwise each block's logits are scaled and masked first
+    (``scaled_logits``)."""
     temps = [sp.temperature for sp, n in blocks for _ in range(n)]
     logits = logits.float()
     if not any(sp.filters for sp, _ in blocks):
@@ -150,14 +150,11 @@ def race_blocks(logits: Tensor, blocks: list[tuple[SamplingParams, int]],
         return race_kernel(logits, noises, positions, temps,
                            [sp.top_k for sp, n in blocks for _ in range(n)],
                            [sp.top_p for sp, n in blocks for _ in range(n)])
-    scaled = logits / torch.tensor(temps)[:, None]
-    o = 0
+    scaled, o = [], 0
     for sp, n in blocks:
-        keep = kept(scaled[o:o + n], sp)
-        if keep is not None:
-            scaled[o:o + n].masked_fill_(~keep, float("-inf"))
+        scaled.append(scaled_logits(logits[o:o + n], sp))
         o += n
-    return race_numpy(scaled, noises, positions)
+    return race_numpy(torch.cat(scaled), noises, positions)
 
 
 def _nucleus(probs: Tensor, top_p: float) -> Tensor:

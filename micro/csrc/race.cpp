@@ -263,31 +263,24 @@ uint32_t row_weights(const float* row, int64_t V, int64_t padded, float temp, in
   top /= temp;
   const __m256 vt = _mm256_set1_ps(temp), vtop = _mm256_set1_ps(top);
   const bool filters = (top_k > 0 && top_k < V) || top_p < 1.0;
-  if (filters) {
-    uint32_t* key = s.key.data();
-    const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-    for (v = 0; v + 8 <= V; v += 8) {
-      const __m256 y = _mm256_div_ps(_mm256_loadu_ps(row + v), vt);
-      _mm256_storeu_ps(w + v, exp_nonpositive(_mm256_sub_ps(y, vtop)));
-      const __m256i bits = _mm256_castps_si256(y);  // order_key, eight at a time
+  uint32_t* key = s.key.data();  // written only where a filter reads it
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  for (v = 0; v + 8 <= V; v += 8) {
+    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(row + v), vt);
+    _mm256_storeu_ps(w + v, exp_nonpositive(_mm256_sub_ps(y, vtop)));
+    if (filters) {  // order_key, eight at a time
+      const __m256i bits = _mm256_castps_si256(y);
       const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(bits, 31), sign);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(key + v), _mm256_xor_si256(bits, flip));
     }
-    for (; v < V; ++v) {
-      const float y = row[v] / temp;
-      w[v] = exp_nonpositive(y - top);
-      key[v] = order_key(y);
-    }
-  } else {
-    for (v = 0; v + 8 <= V; v += 8) {
-      const __m256 y = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(row + v), vt), vtop);
-      _mm256_storeu_ps(w + v, exp_nonpositive(y));
-    }
-    for (; v < V; ++v) w[v] = exp_nonpositive(row[v] / temp - top);
+  }
+  for (; v < V; ++v) {
+    const float y = row[v] / temp;
+    w[v] = exp_nonpositive(y - top);
+    if (filters) key[v] = order_key(y);
   }
   for (; v < padded; ++v) w[v] = 0.0f;
   if (!filters) return 0;
-  const uint32_t* key = s.key.data();
   std::vector<int32_t>& cand = s.select.cand;
   cand.resize(V);
   s.select.next.resize(V);
