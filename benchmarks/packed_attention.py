@@ -14,10 +14,15 @@ layer, over ``--slots`` caches of micro's shape with contexts drawn between the 
   longest (its slots' rows gathered);
 - ``compiled``: scores and weighted values as element-wise products and sums, compiled by
   inductor (dynamic shapes), padded as the first;
+- ``graph``: what the compiled packed pass did before ``nodraft::attend`` (and does where
+  nodraft's kernels do not load): batched products against every slot's rows up to the
+  longest context, an additive mask, the softmax, compiled by inductor (dynamic shapes);
+- ``kernel``: ``nodraft::attend`` (micro/csrc/attend.cpp), each slot reading its own rows
+  only (where nodraft's kernels load);
 - ``per-sequence``: one unpadded SDPA call per slot.
 
-Every variant is checked against ``padded``. The median over ``--repeats`` passes of the
-4 layers, per layer.
+Every variant is checked against ``padded``. The variants alternate, pass after pass
+(``--repeats`` passes of the 4 layers each); the median per layer.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nodraft.micro import gemm
 from nodraft.micro.model import MicroConfig
 
 
@@ -80,8 +86,30 @@ def variants(q, ks, vs, ctxs):
             out[b] = F.scaled_dot_product_attention(q[b], ks[l][b, :, :c], vs[l][b, :, :c])
         return out
 
-    return {"padded": padded, "buckets-2": bucketed(2), "buckets-4": bucketed(4),
-            "compiled": compiled, "per-sequence": per_sequence}
+    def masked(qq, k, v, am):  # the packed graph's own form (micro/compiled.py)
+        p = (torch.matmul(qq, k.transpose(-1, -2)) * scale + am[:, None]).softmax(-1)
+        return torch.matmul(p, v)
+
+    compiled_masked = torch.compile(masked, dynamic=True)
+
+    def graph(l):
+        return compiled_masked(q, ks[l][:, :, :cmax], vs[l][:, :, :cmax], additive)
+
+    out = {"padded": padded, "buckets-2": bucketed(2), "buckets-4": bucketed(4),
+           "compiled": compiled, "graph": graph, "per-sequence": per_sequence}
+    if gemm.load():
+        # the kernel's own row is the query's last cached one: a slot of length c attends
+        # over c - 1 rows, then that row as its own
+        q3, src, starts = q[:, :, 0], torch.arange(B), lens - 1
+        last = torch.arange(B)
+
+        def kernel(l):
+            k_self, v_self = ks[l][last, :, starts], vs[l][last, :, starts]
+            return torch.ops.nodraft.attend.default(q3, k_self, v_self, ks[l], vs[l], src,
+                                                    starts, scale)[:, :, None]
+
+        out["kernel"] = kernel
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -102,19 +130,20 @@ def main(argv: list[str] | None = None) -> None:
     vs = [torch.randn(shape) for _ in range(L)]
     ctxs = torch.randint(args.min_context, args.max_context + 1, (args.slots,)).tolist()
     q = torch.randn(args.slots, H, 1, D)
-    rows = []
     with torch.inference_mode():
         fns = variants(q, ks, vs, ctxs)
         want = fns["padded"](0)
+        times = {name: [] for name in fns}
         for name, f in fns.items():
             torch.testing.assert_close(f(0), want, rtol=1e-4, atol=1e-4)
-            times = []
-            for _ in range(args.repeats):
+        for _ in range(args.repeats):
+            for name, f in fns.items():
                 t0 = time.perf_counter()
                 for layer in range(L):
                     f(layer)
-                times.append((time.perf_counter() - t0) / L)
-            rows.append({"variant": name, "us_per_layer": 1e6 * statistics.median(times)})
+                times[name].append((time.perf_counter() - t0) / L)
+        rows = [{"variant": name, "us_per_layer": 1e6 * statistics.median(t),
+                 "spread_us": [1e6 * min(t), 1e6 * max(t)]} for name, t in times.items()]
     base = rows[0]["us_per_layer"]
     for r in rows:
         r["x_padded"] = r["us_per_layer"] / base
@@ -122,9 +151,11 @@ def main(argv: list[str] | None = None) -> None:
               "slots": args.slots, "contexts": ctxs, "threads": args.threads, "rows": rows}
     print(f"Command: `{result['command']}` ({args.slots} slots, contexts "
           f"{min(ctxs)}-{max(ctxs)}: {sum(ctxs)} rows, {args.slots * max(ctxs)} padded)\n")
-    print("| variant | us per layer | x padded |\n|---|---|---|")
+    print("| variant | us per layer (min-max) | x padded |\n|---|---|---|")
     for r in rows:
-        print(f"| {r['variant']} | {r['us_per_layer']:.0f} | {r['x_padded']:.2f} |")
+        lo, hi = r["spread_us"]
+        print(f"| {r['variant']} | {r['us_per_layer']:.0f} ({lo:.0f}-{hi:.0f}) | "
+              f"{r['x_padded']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -170,8 +170,12 @@ class CompiledPasses:
 
     def _packed_core(self, mixed: bool):
         # torch.mm whatever the product: a batch's rows are many, and on hot weights MKL
-        # multiplied 8 rows and more faster than nodraft::mm (docs/ARCHITECTURE.md)
-        return _make_packed_core(self.model, self._weights(), torch.mm, mixed)
+        # multiplied 8 rows and more faster than nodraft::mm (docs/ARCHITECTURE.md). The
+        # one-row blocks' attention: nodraft::attend where nodraft's kernels serve
+        wt = self._weights()
+        return _make_packed_core(self.model, wt, torch.mm, mixed,
+                                 gemm.attention(self.gemm_kind, self.model.config.head_dim,
+                                                self.model.tok_embeddings.weight.dtype))
 
     def _family_fn(self, family: tuple):
         """A saved family's function, rebuilt for this model (``load``)."""
@@ -402,10 +406,7 @@ class CompiledPasses:
         if got is None:
             return None
         h, logits, k_new, v_new = got
-        slot_t = torch.tensor([s.slot for s in segments for _ in range(len(s))])
-        row_t = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])
-        cache.k[:, slot_t, :, row_t] = k_new.transpose(0, 1)
-        cache.v[:, slot_t, :, row_t] = v_new.transpose(0, 1)
+        _write_rows(cache, segments, k_new, v_new)
         return [(logits[o:o + len(s)], h[o:o + len(s)]) for s, o in zip(segments, offsets)]
 
     @torch.inference_mode()
@@ -434,6 +435,27 @@ class CompiledPasses:
         for batch in _warm_up_batches(cache):
             self.packed(batch, cache, compile=compile)
         return time.perf_counter() - t0
+
+
+def _write_rows(cache, segments: list, k_new: Tensor, v_new: Tensor) -> None:
+    """Every block's keys and values (layers, N, H, D), packed in ``segments``' order, into
+    its slot's rows [start, start + T) of ``cache``: one ``index_copy_`` per tensor over
+    the cache seen as (layers, slots * H * max_len, D) (advanced indexing into slot and
+    row, two dimensions apart, took ~50 us a call more at 32 rows)."""
+    L, S, H, M, D = cache.k.shape
+    if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        slot_t = torch.tensor([s.slot for s in segments for _ in range(len(s))])
+        row_t = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])
+        cache.k[:, slot_t, :, row_t] = k_new.transpose(0, 1)
+        cache.v[:, slot_t, :, row_t] = v_new.transpose(0, 1)
+        return
+    # the flat row of (slot, head, row): (slot * H + head) * M + row
+    base = torch.tensor([s.slot * H * M + r for s in segments
+                         for r in range(s.start, s.start + len(s))])
+    flat = (base[:, None] + torch.arange(H)[None, :] * M).view(-1)  # (N * H,)
+    N = base.shape[0]
+    cache.k.view(L, S * H * M, D).index_copy_(1, flat, k_new.reshape(L, N * H, D))
+    cache.v.view(L, S * H * M, D).index_copy_(1, flat, v_new.reshape(L, N * H, D))
 
 
 def _warm_up_batches(cache) -> list[list]:
@@ -756,7 +778,7 @@ def _past_mask(starts: Tensor, ctx, dtype) -> Tensor:
         torch.arange(ctx)[None, :] >= starts[:, None], float("-inf"))[:, None, None, :]
 
 
-def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool):
+def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool, attend=None):
     """A packed pass's function (``CompiledPasses.packed``). ids, pos (N,): every block's
     rows, packed. The one-row blocks: ``src1`` (B1,) the row of each slot of their range (N:
     the zero row), ``starts1`` (B1,) each slot's committed length, k1, v1 (layers, B1, H,
@@ -766,7 +788,10 @@ def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool):
     the attention within each block.
     ``dest`` (N,): each row's place among the groups' outputs (B1, then B2 * Tq). Returns
     the final residual stream (N, dim), logits (N, V), and the rows' keys and values
-    (layers, N, H, D)."""
+    (layers, N, H, D).
+    ``attend``: ``nodraft::attend`` (micro.gemm.attention) for the one-row blocks, each
+    slot reading its own committed rows only; None: that attention as tensor operations,
+    every slot scored up to the longest length under a mask."""
     cos_t, sin_t = model.rope_cos, model.rope_sin
     c = model.config
     H, D = c.n_heads, c.head_dim
@@ -795,13 +820,16 @@ def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool):
             q0 = torch.cat([qk[:, 0], zero])  # (N + 1, H, D): the zero row last
             k0 = torch.cat([qk[:, 1], zero])
             v0 = torch.cat([qkv[:, 2], zero])
-            # the one-row blocks, (B1, H, 1, D) (no comprehensions here: a saved graph's
+            # the one-row blocks, (B1, H, D) (no comprehensions here: a saved graph's
             # code must not hold a nested function, whose globals a load does not supply)
-            qp, kb, vb = q0[src1][:, :, None], k0[src1][:, :, None], v0[src1][:, :, None]
-            s_past = torch.matmul(qp, k1[j].transpose(-1, -2)) * scale + past1
-            s_self = (qp * kb).sum(-1, keepdim=True) * scale
-            p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
-            y = (torch.matmul(p[..., :ctx1], v1[j]) + p[..., ctx1:] * vb)[:, :, 0]  # (B1, H, D)
+            if attend is not None:
+                y = attend(qk[:, 0], qk[:, 1], qkv[:, 2], k1[j], v1[j], src1, starts1, scale)
+            else:
+                qp, kb, vb = q0[src1][:, :, None], k0[src1][:, :, None], v0[src1][:, :, None]
+                s_past = torch.matmul(qp, k1[j].transpose(-1, -2)) * scale + past1
+                s_self = (qp * kb).sum(-1, keepdim=True) * scale
+                p = torch.cat([s_past, s_self], dim=-1).softmax(-1)
+                y = (torch.matmul(p[..., :ctx1], v1[j]) + p[..., ctx1:] * vb)[:, :, 0]
             if mixed:  # the drafted blocks, (B2, H, Tq, D); their own rows by bmm too
                 qp = q0[src2].view(B2, Tq, H, D).transpose(1, 2)
                 kb = k0[src2].view(B2, Tq, H, D).transpose(1, 2)

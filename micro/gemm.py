@@ -45,8 +45,9 @@ from torch import Tensor
 log = logging.getLogger("nodraft.gemm")
 
 SOURCE = Path(__file__).with_name("csrc") / "gemm.cpp"
-# built with it, into the same library: seeded sampling's race (engine/sampling.py)
-SOURCES = (SOURCE, SOURCE.with_name("race.cpp"))
+# built with it, into the same library: seeded sampling's race (engine/sampling.py) and
+# the packed passes' attention for one-row blocks (micro/compiled.py)
+SOURCES = (SOURCE, SOURCE.with_name("race.cpp"), SOURCE.with_name("attend.cpp"))
 NAME = "nodraft_gemm"  # the extension's name, and its folder under TORCH_EXTENSIONS_DIR
 CHOICES = ("auto", "torch")
 
@@ -78,6 +79,11 @@ def _build() -> tuple[bool, str]:
     @torch.library.register_fake("nodraft::mm")
     def _(a: Tensor, b: Tensor) -> Tensor:
         return a.new_empty((a.shape[0], b.shape[0] * b.shape[2] if b.dim() == 3 else b.shape[1]))
+
+    @torch.library.register_fake("nodraft::attend")
+    def _(q: Tensor, k: Tensor, v: Tensor, kc: Tensor, vc: Tensor, src: Tensor,
+          starts: Tensor, scale: float) -> Tensor:
+        return q.new_empty((src.shape[0], q.shape[1], q.shape[2]))
 
     return True, f"built for {unit}"
 
@@ -158,6 +164,14 @@ def choose(gemm: str | None = None) -> str:
     """'nodraft' or 'torch': the product the compiled passes will use. ``gemm`` (default:
     ``NODRAFT_GEMM``, else 'auto'): 'auto' takes nodraft's kernel where it loads."""
     return "nodraft" if _parse(gemm) == "auto" and load() else "torch"
+
+
+def attention(kind: str, head_dim: int, dtype: torch.dtype):
+    """``nodraft::attend`` where ``kind`` is 'nodraft' (``choose``), the weights float32 and
+    heads at most 128 wide (the kernel's contract, csrc/attend.cpp); else None."""
+    if kind == "nodraft" and dtype == torch.float32 and 1 <= head_dim <= 128:
+        return torch.ops.nodraft.attend.default
+    return None
 
 
 def matmul(kind: str):

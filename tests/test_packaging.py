@@ -68,7 +68,8 @@ def test_the_wheel_installs_one_namespace_with_its_data(wheel):
     assert "nodraft/micro/checkpoints/micro.safetensors" in names
     assert "nodraft/micro/checkpoints/tokenizer.json" in names
     assert "nodraft/micro/csrc/gemm.cpp" in names
-    assert "nodraft/micro/csrc/race.cpp" in names
+    for source in ("race.cpp", "attend.cpp", "simd.h"):  # every kernel source, and the header
+        assert f"nodraft/micro/csrc/{source}" in names
     assert any(n.startswith("nodraft/server/static/") for n in names)
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "nodraft = nodraft.server.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()

@@ -25,6 +25,8 @@
 
 #include <immintrin.h>
 
+#include "simd.h"
+
 namespace {
 
 #ifdef __AVX512F__
@@ -88,11 +90,7 @@ void column(const float* a, int64_t M, int64_t K, const float* b, int64_t N, flo
 
 constexpr int64_t W = 16;  // columns per block: two vectors of 8
 
-// a mask of the first t lanes (0 < t <= 8) for maskload / maskstore
-inline __m256i lanes(int64_t t) {
-  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - t));
-}
+using nodraft_simd::lanes;
 
 // MR rows by NV vectors of columns; B's rows are ldb floats apart, C's N
 template <int MR, int NV>

@@ -40,7 +40,11 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+
+using nodraft_simd::exp_nonpositive;
 
 // -- SHAKE256 (FIPS 202): Keccak-f[1600], rate 136 bytes, domain suffix 0x1F --------------
 constexpr uint64_t kRoundConstants[24] = {
@@ -150,27 +154,6 @@ int64_t race_stream(const char* name, size_t len, const float* w, int64_t n,
     if (ratio > top) top = ratio, best = i;
   }
   return best;
-}
-
-// exp(x) for x <= 0, eight at a time (Cephes' polynomial); exactly 0 below -87.3 (and at
-// -inf: a removed token).
-inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 zero_below = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                             _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(scale)), zero_below);
 }
 
 float exp_nonpositive(float x) {

@@ -285,9 +285,12 @@ def test_packed_passes_match_eager(checkpoint_dir):
     eager = load_model("micro", checkpoint_dir)
     compiled = load_model("micro", checkpoint_dir).compile()  # lazy: compiles as it goes
     ce, cc = KVCache(eager.config, 5, 64), KVCache(eager.config, 5, 64)
+    ops = set()
     for want_batch, got_batch in zip(_packed_batches(eager, ce), _packed_batches(eager, cc)):
         want = forward_packed(eager, want_batch, ce)
-        got = forward_packed(compiled, got_batch, cc)
+        with torch.profiler.profile() as prof:
+            got = forward_packed(compiled, got_batch, cc)
+        ops |= {e.name for e in prof.events()}
         for (lw, hw), (lg, hg) in zip(want, got):
             assert (lw is None) == (lg is None)
             if lw is not None:
@@ -297,6 +300,8 @@ def test_packed_passes_match_eager(checkpoint_dir):
         torch.testing.assert_close(cc.v, ce.v, rtol=1e-4, atol=2e-4)
     families = {f[:2] for f in compiled.compiled._ready if f[0] == "packed"}
     assert families == {("packed", False), ("packed", True)}  # both ran compiled
+    # the one-row blocks' attention: nodraft's kernel wherever the products are nodraft's
+    assert ("nodraft::attend" in ops) == (compiled.compiled.gemm_kind == "nodraft")
     # drafted blocks past PACKED_DRAFTED_ROWS padded rows: left to the eager pass
     from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
     from nodraft.micro.packed import Segment

@@ -1,0 +1,165 @@
+// nodraft::attend -- attention for the one-row blocks of a packed pass (micro/compiled.py).
+//
+//   y[b, h] = softmax_t(s_t) . V_t,  s_t = scale * q[src[b], h] . K_t,  over
+//   K_t = kc[b, h, t] for t < starts[b], then the row's own key k[src[b], h] (and V alike)
+//
+// q, k, v (N, H, D): every row of the pass, its queries, keys and values (rotated where they
+// are). kc, vc (B, H, C, D): each slot's cached keys and values, any strides but a unit one
+// along D (a view of the cache, read in place). src (B,): the row of the pass each slot
+// attends for; a value outside [0, N) marks a slot with no row, whose y is zeros.
+// starts (B,): each slot's committed length, at most C.
+//
+// Each slot reads its own rows only -- no padding to the longest, no mask: where the
+// compiled graph's fused loops score every slot up to the longest length, this reads
+// sum(starts) rows. Per (slot, head): the scores, one dot product a row; their maximum;
+// the exponentials (simd.h, eight at a time); the weighted sum of values, held in
+// registers along D. float32 only; D at most 128 (16 vectors of 8).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "simd.h"
+
+namespace {
+
+using nodraft_simd::exp_nonpositive;
+using nodraft_simd::lanes;
+using nodraft_simd::sum;
+
+constexpr int64_t kMaxVectors = 16;
+
+// a row of D floats: NV vectors, the last one's lanes under ``last``
+template <int NV>
+inline __m256 load(const float* p, int i, __m256i last) {
+  return i < NV - 1 ? _mm256_loadu_ps(p + 8 * i) : _mm256_maskload_ps(p + 8 * i, last);
+}
+
+template <int NV>
+inline float dot(const __m256 (&q)[NV], const float* r, __m256i last) {
+  __m256 acc = _mm256_mul_ps(q[0], load<NV>(r, 0, last));
+#pragma GCC unroll 16
+  for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(q[i], load<NV>(r, i, last), acc);
+  return sum(acc);
+}
+
+// One (slot, head): ``s`` holds at least n + 9 floats.
+template <int NV>
+void attend_one(const float* q, const float* k, const float* v, const float* kc, int64_t kst,
+                const float* vc, int64_t vst, int64_t n, float scale, __m256i last, float* s,
+                float* y) {
+  __m256 qv[NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) qv[i] = _mm256_mul_ps(load<NV>(q, i, last), _mm256_set1_ps(scale));
+  float top = s[n] = dot<NV>(qv, k, last);
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = dot<NV>(qv, kc + t * kst, last);
+    top = std::max(top, s[t]);
+  }
+  const int64_t m = n + 1, padded = (m + 7) / 8 * 8;
+  std::fill(s + m, s + padded, -std::numeric_limits<float>::infinity());  // exp: 0
+  const __m256 vtop = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  __m256 acc[NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_mul_ps(_mm256_set1_ps(s[n]), load<NV>(v, i, last));
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 p = _mm256_set1_ps(s[t]);
+    const float* r = vc + t * vst;
+#pragma GCC unroll 16
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(p, load<NV>(r, i, last), acc[i]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / sum(total));
+#pragma GCC unroll 16
+  for (int i = 0; i < NV - 1; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(acc[i], inv));
+  _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));
+}
+
+using Kernel = void (*)(const float*, const float*, const float*, const float*, int64_t,
+                        const float*, int64_t, int64_t, float, __m256i, float*, float*);
+
+template <int NV>
+Kernel pick(int64_t nv) {
+  if constexpr (NV > kMaxVectors) {
+    return nullptr;
+  } else {
+    return nv == NV ? &attend_one<NV> : pick<NV + 1>(nv);
+  }
+}
+
+at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                  const at::Tensor& kc_in, const at::Tensor& vc_in, const at::Tensor& src_in,
+                  const at::Tensor& starts_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && k_in.sizes() == q_in.sizes() && v_in.sizes() == q_in.sizes(),
+              "nodraft::attend: q, k, v must be (N, H, D) alike, got ", q_in.sizes(), ", ",
+              k_in.sizes(), ", ", v_in.sizes());
+  const int64_t N = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+  TORCH_CHECK(kc_in.dim() == 4 && vc_in.sizes() == kc_in.sizes() && kc_in.size(1) == H &&
+                  kc_in.size(3) == D,
+              "nodraft::attend: kc, vc must be (B, ", H, ", C, ", D, ") alike, got ",
+              kc_in.sizes(), ", ", vc_in.sizes());
+  const int64_t B = kc_in.size(0), C = kc_in.size(2);
+  TORCH_CHECK(src_in.dim() == 1 && src_in.size(0) == B && starts_in.dim() == 1 &&
+                  starts_in.size(0) == B,
+              "nodraft::attend: src and starts must be (", B, ",), got ", src_in.sizes(), ", ",
+              starts_in.sizes());
+  for (const at::Tensor* t : {&q_in, &k_in, &v_in, &kc_in, &vc_in})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "nodraft::attend: float32 only, got ",
+                t->scalar_type());
+  TORCH_CHECK(D >= 1 && D <= 8 * kMaxVectors, "nodraft::attend: head size ", D,
+              " outside [1, ", 8 * kMaxVectors, "]");
+  // a unit stride along D is all the loops need; anything else is copied to one
+  auto rows = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  const at::Tensor q = rows(q_in), k = rows(k_in), v = rows(v_in), kc = rows(kc_in),
+                   vc = rows(vc_in);
+  const at::Tensor src = src_in.to(at::kLong).contiguous();
+  const at::Tensor starts = starts_in.to(at::kLong).contiguous();
+  const int64_t* ps = src.data_ptr<int64_t>();
+  const int64_t* pn = starts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pn[b] >= 0 && pn[b] <= C, "nodraft::attend: slot ", b, "'s length ", pn[b],
+                " outside [0, ", C, "]");
+  at::Tensor y = at::zeros({B, H, D}, q.options());
+  if (B == 0 || H == 0) return y;
+  const int64_t nv = (D + 7) / 8;
+  const Kernel run = pick<1>(nv);
+  const __m256i last = lanes(D - 8 * (nv - 1));
+  const float *pq = q.data_ptr<float>(), *pk = k.data_ptr<float>(), *pv = v.data_ptr<float>();
+  const float *pkc = kc.data_ptr<float>(), *pvc = vc.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  // at least ~64K multiply-adds per task: a pass's attention stays on the calling thread
+  // unless its contexts are long
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * C * D));
+  at::parallel_for(0, B * H, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(C + 9);
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t b = i / H, h = i % H, r = ps[b];
+      if (r < 0 || r >= N) continue;  // a slot with no row: zeros
+      run(pq + r * q.stride(0) + h * q.stride(1), pk + r * k.stride(0) + h * k.stride(1),
+          pv + r * v.stride(0) + h * v.stride(1),
+          pkc + b * kc.stride(0) + h * kc.stride(1), kc.stride(2),
+          pvc + b * vc.stride(0) + h * vc.stride(1), vc.stride(2), pn[b],
+          static_cast<float>(scale), last, s.data(), py + (b * H + h) * D);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nodraft, m) {
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor kc, Tensor vc, Tensor src, "
+        "Tensor starts, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(nodraft, CPU, m) { m.impl("attend", &attend); }
