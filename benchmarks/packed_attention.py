@@ -18,7 +18,9 @@ layer, over ``--slots`` caches of micro's shape with contexts drawn between the 
   nodraft's kernels do not load): batched products against every slot's rows up to the
   longest context, an additive mask, the softmax, compiled by inductor (dynamic shapes);
 - ``kernel``: ``nodraft::attend`` (micro/csrc/attend.cpp), each slot reading its own rows
-  only (where nodraft's kernels load);
+  only (where nodraft's kernels load); ``kernel, 4 KiB pages``: the same over a copy of
+  the caches on ordinary pages (every other variant reads caches allocated as the
+  engine's, ``micro.model.zeros_on_huge_pages``);
 - ``per-sequence``: one unpadded SDPA call per slot.
 
 Every variant is checked against ``padded``. The variants alternate, pass after pass
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from nodraft.micro import gemm
-from nodraft.micro.model import MicroConfig
+from nodraft.micro.model import MicroConfig, zeros_on_huge_pages
 
 
 def variants(q, ks, vs, ctxs):
@@ -126,12 +128,17 @@ def main(argv: list[str] | None = None) -> None:
     c = MicroConfig()
     H, D, L = c.n_heads, c.head_dim, c.n_layers
     shape = (args.slots, H, c.max_positions, D)
-    ks = [torch.randn(shape) for _ in range(L)]
-    vs = [torch.randn(shape) for _ in range(L)]
+    # allocated as the engine's cache is (huge pages where the system gives them); a copy
+    # on ordinary pages for the kernel's second row
+    ks = [zeros_on_huge_pages(shape, torch.float32).normal_() for _ in range(L)]
+    vs = [zeros_on_huge_pages(shape, torch.float32).normal_() for _ in range(L)]
+    small = ([x.clone() for x in ks], [x.clone() for x in vs])
     ctxs = torch.randint(args.min_context, args.max_context + 1, (args.slots,)).tolist()
     q = torch.randn(args.slots, H, 1, D)
     with torch.inference_mode():
         fns = variants(q, ks, vs, ctxs)
+        if "kernel" in fns:
+            fns["kernel, 4 KiB pages"] = variants(q, *small, ctxs)["kernel"]
         want = fns["padded"](0)
         times = {name: [] for name in fns}
         for name, f in fns.items():

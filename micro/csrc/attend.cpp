@@ -11,7 +11,7 @@
 //
 // Each slot reads its own rows only -- no padding to the longest, no mask: where the
 // compiled graph's fused loops score every slot up to the longest length, this reads
-// sum(starts) rows. Per (slot, head): the scores, one dot product a row; their maximum;
+// sum(starts) rows, the next slot's prefetched while one is computed. Per (slot, head): the scores, one dot product a row; their maximum;
 // the exponentials (simd.h, eight at a time); the weighted sum of values, held in
 // registers along D. float32 only; D at most 128 (16 vectors of 8).
 #include <ATen/ATen.h>
@@ -86,6 +86,19 @@ void attend_one(const float* q, const float* k, const float* v, const float* kc,
   _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));
 }
 
+// A hint: rows [0, n) of D floats, ``stride`` apart, towards L2 (the hardware prefetcher
+// restarts at every page; a slot's rows are short runs far apart).
+inline void prefetch_rows(const float* p, int64_t n, int64_t stride, int64_t D) {
+  if (n <= 0) return;
+  const char* c = reinterpret_cast<const char*>(p);
+  if (stride == D) {  // contiguous: every line of the run
+    for (int64_t o = 0, bytes = 4 * n * D; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t o = 0; o < 4 * D; o += 64) _mm_prefetch(c + 4 * t * stride + o, _MM_HINT_T1);
+  }
+}
+
 using Kernel = void (*)(const float*, const float*, const float*, const float*, int64_t,
                         const float*, int64_t, int64_t, float, __m256i, float*, float*);
 
@@ -145,6 +158,11 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
     std::vector<float> s(C + 9);
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t b = i / H, h = i % H, r = ps[b];
+      if (i + 1 < hi) {  // the next (slot, head)'s rows on their way to L2 while this one runs
+        const int64_t b1 = (i + 1) / H, h1 = (i + 1) % H;
+        prefetch_rows(pkc + b1 * kc.stride(0) + h1 * kc.stride(1), pn[b1], kc.stride(2), D);
+        prefetch_rows(pvc + b1 * vc.stride(0) + h1 * vc.stride(1), pn[b1], vc.stride(2), D);
+      }
       if (r < 0 || r >= N) continue;  // a slot with no row: zeros
       run(pq + r * q.stride(0) + h * q.stride(1), pk + r * k.stride(0) + h * k.stride(1),
           pv + r * v.stride(0) + h * v.stride(1),
