@@ -439,23 +439,17 @@ class CompiledPasses:
 
 def _write_rows(cache, segments: list, k_new: Tensor, v_new: Tensor) -> None:
     """Every block's keys and values (layers, N, H, D), packed in ``segments``' order, into
-    its slot's rows [start, start + T) of ``cache``: one ``index_copy_`` per tensor over
-    the cache seen as (layers, slots * H * max_len, D) (advanced indexing into slot and
-    row, two dimensions apart, took ~50 us a call more at 32 rows)."""
-    L, S, H, M, D = cache.k.shape
-    if not (cache.k.is_contiguous() and cache.v.is_contiguous()):
-        slot_t = torch.tensor([s.slot for s in segments for _ in range(len(s))])
-        row_t = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])
-        cache.k[:, slot_t, :, row_t] = k_new.transpose(0, 1)
-        cache.v[:, slot_t, :, row_t] = v_new.transpose(0, 1)
+    its slot's rows [start, start + T) of ``cache``: ``nodraft::put_rows`` where nodraft's
+    kernels are loaded, else advanced indexing into slot and row."""
+    slots = [s.slot for s in segments for _ in range(len(s))]
+    rows = [r for s in segments for r in range(s.start, s.start + len(s))]
+    slot_t, row_t = torch.tensor(slots), torch.tensor(rows)
+    if gemm.unit() is not None and cache.k.is_contiguous() and cache.v.is_contiguous():
+        torch.ops.nodraft.put_rows.default(cache.k, slot_t, row_t, k_new)
+        torch.ops.nodraft.put_rows.default(cache.v, slot_t, row_t, v_new)
         return
-    # the flat row of (slot, head, row): (slot * H + head) * M + row
-    base = torch.tensor([s.slot * H * M + r for s in segments
-                         for r in range(s.start, s.start + len(s))])
-    flat = (base[:, None] + torch.arange(H)[None, :] * M).view(-1)  # (N * H,)
-    N = base.shape[0]
-    cache.k.view(L, S * H * M, D).index_copy_(1, flat, k_new.reshape(L, N * H, D))
-    cache.v.view(L, S * H * M, D).index_copy_(1, flat, v_new.reshape(L, N * H, D))
+    cache.k[:, slot_t, :, row_t] = k_new.transpose(0, 1)
+    cache.v[:, slot_t, :, row_t] = v_new.transpose(0, 1)
 
 
 def _warm_up_batches(cache) -> list[list]:

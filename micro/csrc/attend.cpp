@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -174,10 +175,54 @@ at::Tensor attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tens
   return y;
 }
 
+// nodraft::put_rows: a packed pass's new keys (or values) into the cache, in place.
+// cache (L, S, H, M, D) contiguous; slots, rows (N,): where each of the pass's rows goes;
+// fresh (L, N, H, D): its keys. cache[l, slots[n], h, rows[n]] = fresh[l, n, h], a copy
+// of D floats each (advanced indexing into slot and row, two dimensions apart, costs
+// ~50 us a call in index machinery at 32 rows; this, a few).
+void put_rows(at::Tensor& cache, const at::Tensor& slots_in, const at::Tensor& rows_in,
+              const at::Tensor& fresh_in) {
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous(),
+              "nodraft::put_rows: the cache must be (L, S, H, M, D) contiguous, got ",
+              cache.sizes());
+  const int64_t L = cache.size(0), S = cache.size(1), H = cache.size(2), M = cache.size(3),
+                D = cache.size(4);
+  const int64_t N = slots_in.numel();
+  TORCH_CHECK(slots_in.dim() == 1 && rows_in.dim() == 1 && rows_in.numel() == N &&
+                  fresh_in.dim() == 4 && fresh_in.size(0) == L && fresh_in.size(1) == N &&
+                  fresh_in.size(2) == H && fresh_in.size(3) == D,
+              "nodraft::put_rows: slots, rows (N,) and fresh (", L, ", N, ", H, ", ", D,
+              ") expected, got ", slots_in.sizes(), ", ", rows_in.sizes(), ", ",
+              fresh_in.sizes());
+  TORCH_CHECK(fresh_in.scalar_type() == cache.scalar_type(),
+              "nodraft::put_rows: fresh is ", fresh_in.scalar_type(), ", the cache ",
+              cache.scalar_type());
+  const at::Tensor slots = slots_in.to(at::kLong).contiguous();
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  const at::Tensor fresh = fresh_in.contiguous();
+  const int64_t* ps = slots.data_ptr<int64_t>();
+  const int64_t* pr = rows.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(ps[n] >= 0 && ps[n] < S && pr[n] >= 0 && pr[n] < M, "nodraft::put_rows: (slot ",
+                ps[n], ", row ", pr[n], ") outside the cache's (", S, ", ", M, ")");
+  const int64_t bytes = D * static_cast<int64_t>(cache.element_size());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  const char* src = static_cast<const char*>(fresh.data_ptr());
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(dst + (((l * S + ps[n]) * H + h) * M + pr[n]) * bytes,
+                    src + ((l * N + n) * H + h) * bytes, bytes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nodraft, m) {
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor kc, Tensor vc, Tensor src, "
         "Tensor starts, float scale) -> Tensor");
+  m.def("put_rows(Tensor(a!) cache, Tensor slots, Tensor rows, Tensor fresh) -> ()");
 }
-TORCH_LIBRARY_IMPL(nodraft, CPU, m) { m.impl("attend", &attend); }
+TORCH_LIBRARY_IMPL(nodraft, CPU, m) {
+  m.impl("attend", &attend);
+  m.impl("put_rows", &put_rows);
+}

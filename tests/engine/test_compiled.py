@@ -302,6 +302,8 @@ def test_packed_passes_match_eager(checkpoint_dir):
     assert families == {("packed", False), ("packed", True)}  # both ran compiled
     # the one-row blocks' attention: nodraft's kernel wherever the products are nodraft's
     assert ("nodraft::attend" in ops) == (compiled.compiled.gemm_kind == "nodraft")
+    if compiled.compiled.gemm_kind == "nodraft":  # the rows written by nodraft's copy too
+        assert "nodraft::put_rows" in ops
     # drafted blocks past PACKED_DRAFTED_ROWS padded rows: left to the eager pass
     from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
     from nodraft.micro.packed import Segment

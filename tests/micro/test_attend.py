@@ -1,6 +1,7 @@
 """nodraft::attend (micro/csrc/attend.cpp): each slot's one row attends over its own cached
 rows, then itself -- softmax attention computed here in float64 -- for any head size up to
-128, ragged lengths (zero included), strided cache views, and slots with no row."""
+128, ragged lengths (zero included), strided cache views, and slots with no row. And
+nodraft::put_rows, which writes a packed pass's new rows into the cache."""
 
 import math
 
@@ -109,3 +110,28 @@ def test_it_runs_inside_a_compiled_graph_with_symbolic_sizes():
         got = fn(torch.stack([q, k, v], 1), kc, vc, src, starts)
         torch.testing.assert_close(got.double(), reference(q * 2, k, v, kc, vc, src, starts,
                                                            0.25), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_put_rows_writes_each_rows_keys_at_its_slot_and_row_and_nothing_else(dtype):
+    g = torch.Generator().manual_seed(5)
+    L, S, H, M, D, N = 3, 6, 4, 20, 40, 9
+    cache = torch.randn(L, S, H, M, D, generator=g).to(dtype)
+    want = cache.clone()
+    pairs = torch.randperm(S * M, generator=g)[:N]  # distinct (slot, row) places
+    slots, rows = pairs // M, pairs % M
+    fresh = torch.randn(L, N, H, D, generator=g).to(dtype)
+    want[:, slots, :, rows] = fresh.transpose(0, 1)
+    torch.ops.nodraft.put_rows.default(cache, slots, rows, fresh)
+    assert torch.equal(cache, want)
+
+
+def test_put_rows_refuses_a_place_outside_the_cache():
+    cache = torch.zeros(2, 3, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.nodraft.put_rows.default(cache, torch.tensor([0, 3]), torch.tensor([1, 1]),
+                                           torch.ones(2, 2, 2, 8))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.nodraft.put_rows.default(cache[:, :, :, :4], torch.tensor([0]),
+                                           torch.tensor([1]), torch.ones(2, 1, 2, 8))
+    assert not cache.any()  # refused before anything was written
