@@ -26,7 +26,8 @@ blocks (``attention``; micro/compiled.py), each slot over its own cached rows on
 
 Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 with -mavx512f or -mavx2
 -mfma, 10-20 s once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``,
-a folder per vector unit; a build stopped midway never blocks the next, ``build_lock``),
+a folder per vector unit and per content of the sources, ``NAME``; a build stopped midway
+never blocks the next, ``build_lock``),
 on CPUs that report AVX-512 or AVX2 (``torch.backends.cpu.get_cpu_capability()``).
 Elsewhere, or if the build fails, ``choose`` picks ``torch.mm`` and a warning says why.
 ``NODRAFT_GEMM=torch`` chooses ``torch.mm`` everywhere (the A/B the benchmarks run).
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import threading
@@ -50,7 +52,22 @@ SOURCE = Path(__file__).with_name("csrc") / "gemm.cpp"
 # built with it, into the same library: seeded sampling's race (engine/sampling.py) and
 # the packed passes' attention for one-row blocks (micro/compiled.py)
 SOURCES = (SOURCE, SOURCE.with_name("race.cpp"), SOURCE.with_name("attend.cpp"))
-NAME = "nodraft_gemm"  # the extension's name, and its folder under TORCH_EXTENSIONS_DIR
+HEADERS = (SOURCE.with_name("simd.h"),)
+
+
+def _digest() -> str:
+    """The sources' and headers' content, hashed: part of the extension's name, so that
+    a library built from other sources is never loaded (torch's build, like ninja's,
+    decides by file times, and a source replaced by an older-dated one, or edited while
+    it compiled, left a library without the ops its code calls)."""
+    h = hashlib.sha256()
+    for f in SOURCES + HEADERS:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+# the extension's name, and its folder under TORCH_EXTENSIONS_DIR (one per content)
+NAME = f"nodraft_gemm_{_digest()}"
 CHOICES = ("auto", "torch")
 
 _lock = threading.Lock()

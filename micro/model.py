@@ -68,9 +68,9 @@ def zeros_on_huge_pages(shape: tuple, dtype: torch.dtype) -> Tensor:
     refused, ordinary pages -- the same tensor either way).
 
     A packed pass reads every running sequence's cached rows: short runs of rows, one per
-    slot and head, ~80 KB apart, from a cache of tens of MB. On 4 KiB pages that is a TLB
-    miss every few rows; on huge pages the one-row blocks' attention took ~0.78x the time
-    (``benchmarks/packed_attention.py``)."""
+    slot and head, ~160 KB apart, from a cache of tens of MB. On 4 KiB pages that is a TLB
+    miss every few rows; on huge pages the one-row blocks' attention took 0.70-0.83x the
+    time (``benchmarks/packed_attention.py``, "kernel" against "kernel, 4 KiB pages")."""
     t = torch.empty(shape, dtype=dtype)
     start = t.data_ptr()
     lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE

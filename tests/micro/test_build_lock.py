@@ -1,6 +1,7 @@
 """A build of nodraft::mm stopped midway (SIGKILL included) never blocks the next one
 (micro/gemm.py, ``build_lock``): torch's own lock file is left behind by a killed build,
-and every later build would wait on it for ever."""
+and every later build would wait on it for ever. And the build is named by its sources'
+content, so a build of other sources is never loaded."""
 
 from __future__ import annotations
 
@@ -75,3 +76,21 @@ def test_a_stale_torch_lock_is_removed(tmp_path, caplog):
     with gemm.build_lock(tmp_path):
         assert not (tmp_path / "lock").exists()
     assert "stopped before it finished" in caplog.text
+
+
+def test_the_extensions_name_follows_its_sources_content(tmp_path, monkeypatch):
+    """A library built from other sources is never the one loaded: the build folder's
+    name carries the sources' hash (a stale build, dated after an edit, was loaded
+    without the ops the code called)."""
+    from nodraft.micro import gemm
+
+    assert gemm.NAME == f"nodraft_gemm_{gemm._digest()}"
+    copies = []
+    for f in gemm.SOURCES + gemm.HEADERS:
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+        copies.append(tmp_path / f.name)
+    monkeypatch.setattr(gemm, "SOURCES", tuple(copies[:len(gemm.SOURCES)]))
+    monkeypatch.setattr(gemm, "HEADERS", tuple(copies[len(gemm.SOURCES):]))
+    same = gemm._digest()
+    copies[-1].write_text(copies[-1].read_text() + "\n// another line\n")  # the header alone
+    assert gemm._digest() != same == gemm.NAME.rsplit("_", 1)[1]
