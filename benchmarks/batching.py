@@ -90,10 +90,14 @@ def one(url: str, concurrency: int, method: str, n: int, max_tokens: int,
                      seed=seed if temperature > 0 else None)
     r = asyncio.run(run_loadtest(cfg))
     lat = r["latency_s"]
+
+    def ms(kind: str, q: str) -> float | None:  # None: no such gap (a whole answer in one chunk)
+        return None if lat[kind] is None else 1e3 * lat[kind][q]
+
     return {
         "tokens_per_s": r["throughput"]["generated_tokens_per_s"],
-        "ttft_p50_ms": 1e3 * lat["ttft"]["p50"], "ttft_p99_ms": 1e3 * lat["ttft"]["p99"],
-        "itl_p50_ms": 1e3 * lat["inter_token"]["p50"], "itl_p99_ms": 1e3 * lat["inter_token"]["p99"],
+        "ttft_p50_ms": ms("ttft", "p50"), "ttft_p99_ms": ms("ttft", "p99"),
+        "itl_p50_ms": ms("inter_token", "p50"), "itl_p99_ms": ms("inter_token", "p99"),
         "errors": sum(r["errors"].values()), "requests": r["requests"]["sent"],
         "tokens_per_pass": (r["methods"][method] or {}).get("tokens_per_pass"),
     }
@@ -185,9 +189,13 @@ def render(results: dict) -> str:
         lines.append(f"| {r['server']} | {t} | {r['concurrency']} | {r['method']} | "
                      f"{r['tokens_per_s']:.0f} | {r['x_single_stream']:.2f} | "
                      f"{r.get('x_none', float('nan')):.2f} | {before} | "
-                     f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
-                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r['errors']} |")
+                     f"{_f(r['ttft_p50_ms'], 1)} / {_f(r['ttft_p99_ms'], 1)} | "
+                     f"{_f(r['itl_p50_ms'], 2)} / {_f(r['itl_p99_ms'], 2)} | {r['errors']} |")
     return "\n".join(lines)
+
+
+def _f(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 if __name__ == "__main__":
