@@ -3,7 +3,8 @@
     python benchmarks/engine_load.py [--concurrency 1,8,32] [--requests-per-stream 6]
                                      [--max-tokens 64] [--rounds 2] [--threads 1]
                                      [--sampling 0,0.8] [--seed 0]
-                                     [--no-response-store] [--compile] [--out FILE.json]
+                                     [--no-response-store] [--prefix-cache-mb 64[,0]]
+                                     [--compile] [--out FILE.json]
 
 Submits ``concurrency * requests-per-stream`` requests (the loadtest's built-in prompts, in
 turn) to an ``Engine`` with ``concurrency`` slots and reports generated tokens/s until the
@@ -15,6 +16,12 @@ shows what the engine itself does (``benchmarks/batching.py`` measures the serve
 nothing). The built-in prompts repeat, so otherwise from the second request on a prompt the
 store holds its greedy answer, and ``auto`` drafts it whole; this shows auto without that
 help.
+
+``--prefix-cache-mb``: the engine's prefix cache (``engine.prefix_cache``), fresh for each
+run; several sizes are alternated, each row also over the first size's. The built-in
+prompts repeat, so with a cache a prompt's blocks are kept from its first request on: a
+best case for the cache, as real traffic shares less (a system prompt, a conversation's
+earlier turns); ``0``: none, every prompt prefilled whole.
 
 ``--sampling``: temperatures, each measured apart (0: greedy); a sampled request i is seeded
 ``--seed + i`` (seeded sampling's drafter-invariant rule, as ``nodraft loadtest --seed``).
@@ -42,15 +49,17 @@ from nodraft.clients.loadtest import PROMPTS
 from nodraft.drafters.registry import Registry
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.engine.core import Engine, GenerationRequest
+from nodraft.engine.prefix_cache import PREFIX_CACHE_BYTES
 from nodraft.engine.verify import SamplingParams
 
 
 def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,
         requests: int, max_tokens: int, threads: int, temperature: float = 0.0,
-        seed: int = 0) -> float:
-    """Generated tokens/s of ``requests`` requests through an engine with ``streams`` slots."""
+        seed: int = 0, prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> float:
+    """Generated tokens/s of ``requests`` requests through an engine with ``streams`` slots
+    (and a prefix cache of ``prefix_cache_bytes``, fresh: 0, none)."""
     engine = Engine({"micro": model}, registry, eot_id=None, max_running=streams,
-                    max_waiting=requests, threads=threads)
+                    max_waiting=requests, threads=threads, prefix_cache_bytes=prefix_cache_bytes)
     meth, params = registry.parse(method)
     done = threading.Semaphore(0)
     tokens = [0]
@@ -95,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampled request i is seeded SEED + i")
     p.add_argument("--compile", action="store_true",
                    help="the compiled graphs built for this machine (built first if missing)")
+    p.add_argument("--prefix-cache-mb", default=str(PREFIX_CACHE_BYTES >> 20),
+                   help="the engine's prefix cache, MiB, comma-separated to alternate (0: none)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -117,32 +128,40 @@ def measure(args, argv) -> None:
     registry = Registry()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     temperatures = [float(t) for t in args.sampling.split(",")]
+    caches = [float(c) for c in args.prefix_cache_mb.split(",")]
     rows = []
     for streams in (int(c) for c in args.concurrency.split(",")):
         n = streams * args.requests_per_stream
-        got = {(t, m): [] for t in temperatures for m in methods}
+        got = {(t, m, c): [] for t in temperatures for m in methods for c in caches}
         run(model, prompts, registry, methods[0], streams, min(n, streams), args.max_tokens,
             args.threads)  # warm-up
         for _ in range(args.rounds):
             for t in temperatures:
                 for m in methods:
-                    got[t, m].append(run(model, prompts, registry, m, streams, n,
-                                         args.max_tokens, args.threads, t, args.seed))
+                    for c in caches:
+                        got[t, m, c].append(run(model, prompts, registry, m, streams, n,
+                                                args.max_tokens, args.threads, t, args.seed,
+                                                int(c * (1 << 20))))
         for t in temperatures:
-            base = statistics.median(got[t, methods[0]])
-            for m in methods:
-                tps = statistics.median(got[t, m])
-                rows.append({"concurrency": streams, "temperature": t, "method": m,
-                             "tokens_per_s": tps, "runs": got[t, m],
-                             "x_first_method": tps / base})
-                print(json.dumps(rows[-1]), file=sys.stderr)
+            for c in caches:
+                base = statistics.median(got[t, methods[0], c])
+                for m in methods:
+                    tps = statistics.median(got[t, m, c])
+                    rows.append({"concurrency": streams, "temperature": t, "method": m,
+                                 "prefix_cache_mb": c, "tokens_per_s": tps,
+                                 "runs": got[t, m, c], "x_first_method": tps / base,
+                                 "x_first_prefix_cache":
+                                     tps / statistics.median(got[t, m, caches[0]])})
+                    print(json.dumps(rows[-1]), file=sys.stderr)
     result = {"command": "python benchmarks/engine_load.py " + " ".join(argv or sys.argv[1:]),
               "threads": args.threads, "rows": rows}
     print(f"Command: `{result['command']}`\n")
-    print(f"| streams | temperature | method | tokens/s | x {methods[0]} |\n|---|---|---|---|---|")
+    print(f"| streams | temperature | method | prefix cache MiB | tokens/s | x {methods[0]} | "
+          f"x prefix cache {caches[0]:g} |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['temperature']:g} | {r['method']} | "
-              f"{r['tokens_per_s']:.0f} | {r['x_first_method']:.2f} |")
+              f"{r['prefix_cache_mb']:g} | {r['tokens_per_s']:.0f} | {r['x_first_method']:.2f} | "
+              f"{r['x_first_prefix_cache']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -50,6 +50,7 @@ from nodraft.drafters.base import Draft, DrafterEnv, has_hook
 from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
+from nodraft.engine.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats
@@ -133,7 +134,10 @@ class Handle:
 
 class Engine:
     def __init__(self, models: dict[str, Micro], registry: Registry, eot_id: int | None,
-                 max_running: int = 16, max_waiting: int = 64, threads: int | None = None):
+                 max_running: int = 16, max_waiting: int = 64, threads: int | None = None,
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+        """``prefix_cache_bytes``: each model's prompt blocks kept for the next prompts
+        that start with them (``engine.prefix_cache``); 0: none."""
         self.models = models
         self.registry = registry
         self.eot_id = eot_id
@@ -141,6 +145,8 @@ class Engine:
         self.threads = threads
         self.caches = {name: KVCache(m.config, max_running) for name, m in models.items()}
         self.free_slots = {name: list(range(max_running)) for name in models}
+        self.prefix_caches = ({name: PrefixCache(prefix_cache_bytes) for name in models}
+                              if prefix_cache_bytes > 0 else {})
         self.shared: dict[tuple[str, str], dict] = {}  # (method, model) -> drafter state
         self.checkpoint_dir = None  # where trained drafters find weights (None: the default)
         self.scheduler = DraftScheduler()
@@ -503,7 +509,8 @@ class Engine:
                         max_draft=min(Sequence.max_draft, longest or Sequence.max_draft),
                         logprobs=req.logprobs,
                         prompt_logprobs=req.prompt_logprobs,
-                        pass_cost=self._pass_cost(req.model, slot))
+                        pass_cost=self._pass_cost(req.model, slot),
+                        prefix_cache=self.prefix_caches.get(req.model))
 
     def _step(self, handle: Handle) -> None:
         seq = handle.sequence

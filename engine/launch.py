@@ -28,6 +28,7 @@ from pathlib import Path
 import zmq
 
 PR_SET_PDEATHSIG = 1
+PREFIX_CACHE_BYTES = 64 << 20  # per model: the prompt blocks kept (engine.prefix_cache)
 SOCKETS_PREFIX = "nodraft-engine-"  # + the API process's pid: its sockets' folder
 
 
@@ -52,6 +53,7 @@ class EngineConfig:
     # s: while sequences run, a step whose request already has a token out waits up to
     # this long to go to the API with later ones (engine.process.EngineCore); 0: every step
     stream_interval: float = 0.0
+    prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # 0: no prefix cache
 
 
 @dataclass

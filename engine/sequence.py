@@ -62,6 +62,8 @@ class StepResult:
     plain_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
+    # on the first step only: how many prompt tokens came from the prefix cache
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -81,6 +83,9 @@ class Sequence:
     # what a lone pass costs here by its rows (``drafters.costs.PassCost``); None: the
     # measured-cost figures stay 0 (the engine sets it)
     pass_cost: Any = None
+    # the model's kept prompt blocks (``engine.prefix_cache``): the prefill starts after the
+    # longest kept prefix of the prompt, and keeps the prompt's blocks once it is done
+    prefix_cache: Any = None
 
     def __post_init__(self):
         assert 1 <= len(self.prompt) < self.cache.max_len, "prompt must fit the context"
@@ -107,6 +112,7 @@ class Sequence:
         self.prefilled = False
         self._states: list[Tensor] = []  # prefill chunks' hidden states (packed prefill)
         self._prefill_begun = False
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied
         self._timed = self.method != "none"  # plain decoding's drafter costs nothing
         self._never_drafts = isinstance(self.drafter, NoDraft)
         self._draft_s = 0.0  # the drafter's wall time since the last pass
@@ -149,13 +155,22 @@ class Sequence:
         self.ctx.last_hidden = torch.cat(self._states) if self._states else None
         self._states = []
         self.prefilled = True
+        if self.prefix_cache is not None and self.ctx.last_hidden is not None:
+            self.prefix_cache.store(self.prompt, len(self.prompt) - 1, self.cache, self.slot,
+                                    self.ctx.last_hidden)
 
     def _begin_prefill(self) -> None:
         """At the prompt's first prefill rows: an empty slot (it may hold a previous
-        sequence's length) and no hidden states kept."""
+        sequence's length) and no hidden states kept -- then the longest prefix of the
+        prompt the prefix cache holds, copied in, with its hidden states."""
         if not self._prefill_begun:
             self.cache.reset(self.slot)
             self._states, self._prefill_begun = [], True
+            if self.prefix_cache is not None:
+                hidden = self.prefix_cache.load(self.prompt, self.cache, self.slot)
+                if hidden is not None:
+                    self._states.append(hidden)
+                    self.cached_tokens = hidden.shape[0]
 
     def _prefill_rows(self, end: int) -> None:
         """Cache the prompt's rows from where the slot stands (an empty slot at first) up to
@@ -354,6 +369,8 @@ class Sequence:
         """Every prompt row is cached: the head over the last one gives the first token,
         accepted as a step with no draft. The drafters see every prompt token's features."""
         hidden, self._states = torch.cat(self._states), []
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self.prompt, len(self.prompt), self.cache, self.slot, hidden)
         # the last prompt token's row is written; ``commit`` commits it as a step's would be
         self.cache.set_length(self.slot, len(self.prompt) - 1)
         self.ctx.last_hidden = hidden  # what the prompt's logprobs are scored from
@@ -362,7 +379,9 @@ class Sequence:
             logits = head_rows(self.model, hidden[-1:])
         draft = dataclasses.replace(Draft.empty(), method=hook(self.drafter, "idle_method"))
         path, bonus = self._accept(logits, draft)
-        return self.commit(draft, path, bonus, hidden[-1:], logits, features=hidden)
+        result = self.commit(draft, path, bonus, hidden[-1:], logits, features=hidden)
+        result.cached_tokens = self.cached_tokens
+        return result
 
     # -- the same, as segments of a packed pass shared with other sequences ---------------
     def prefill_segment(self, budget: int) -> Segment:
@@ -387,8 +406,11 @@ class Sequence:
         """The verification block as a segment. Early exit's KV reuse does not apply in a
         packed pass: the block runs through every layer, rewriting the rows below the exit
         that the draft wrote (the same values, so the output is unchanged)."""
+        n = self.cache.lengths[self.slot]
+        if not len(draft) and not draft.n_aux:  # the current token alone: most of a batch
+            return Segment(self.slot, n, torch.tensor([self.tokens[-1]]), torch.tensor([n]))
         ids, pos, mask = self.block(draft)
-        return Segment(self.slot, self.cache.lengths[self.slot], ids, pos, mask)
+        return Segment(self.slot, n, ids, pos, mask)
 
     def finish_step(self, draft: Draft, logits: Tensor, hidden: Tensor,
                     targets: list[int] | None = None) -> StepResult:

@@ -99,6 +99,7 @@ OPTIONS = {"freezing": False, "size_asserts": False}
 
 log = logging.getLogger("nodraft.compiled")
 
+CAUSAL_KEPT = 64  # causal masks kept up to this block length
 MIN_CONTEXT = 2  # shorter cached prefixes (sizes 0 and 1 are specialised): eager
 PREFILL = "prefill"  # the first element of the prefill graph's family
 PACKED = "packed"  # the first element of the packed passes' families
@@ -204,9 +205,13 @@ class CompiledPasses:
         self.precompiled.export_to = None if folder is None else Path(folder)
 
     def causal(self, T: int, dtype: torch.dtype) -> Tensor:
-        m = self._causal.get(T)
+        """The additive causal mask (T, T); kept for blocks of drafts' sizes, made for
+        longer ones (a prompt's chunk)."""
+        m = self._causal.get((T, dtype))
         if m is None:
-            m = self._causal[T] = additive_mask(torch.ones(T, T, dtype=torch.bool).tril(), dtype)
+            m = additive_mask(torch.ones(T, T, dtype=torch.bool).tril(), dtype)
+            if T <= CAUSAL_KEPT:
+                self._causal[(T, dtype)] = m
         return m
 
     @torch.inference_mode()
@@ -257,15 +262,22 @@ class CompiledPasses:
         return out, logits
 
     @torch.inference_mode()
-    def prefill(self, h: Tensor, cache, slot: int, compile: bool | None = None
-                ) -> Tensor | None:
-        """A prompt's first rows h (T, dim) through every layer into an empty ``slot``: keys
-        and values go to rows [0, T), each row sees the rows before it. Returns the final
-        residual stream (T, dim), or None when the prefill graph is not compiled (the
-        caller runs eager). A lone row runs as two (a scratch row after it, which no row
-        before it sees, and whose cache row is past the committed length): the graph's
-        block length is symbolic from 2 up. ``compile`` as in ``run``."""
+    def prefill(self, h: Tensor, cache, slot: int, compile: bool | None = None,
+                start: int = 0) -> Tensor | None:
+        """A prompt's rows h (T, dim) through every layer into ``slot`` at rows
+        [start, start + T), each row seeing the rows before it. Returns the final residual
+        stream (T, dim), or None when the graph is not compiled (the caller runs eager).
+        ``start`` 0 (an empty slot): the prefill graph; a lone row runs as two (a scratch
+        row after it, which no row before it sees, and whose cache row is past the
+        committed length): the graph's block length is symbolic from 2 up. ``start`` > 0
+        (rows [0, start) cached: a prompt past its cached prefix, a long prompt's next
+        chunk): the full pass's graph, without the head (``run``). ``compile`` as in
+        ``run``."""
         T = h.shape[0]
+        if start > 0:
+            got = self.run(h, torch.arange(start, start + T), 0, self.model.config.n_layers,
+                           cache, slot, start, None, False, compile)
+            return None if got is None else got[0]
         if T == 1:
             h = torch.cat([h, h])
         h = _offset0(h)
@@ -420,7 +432,8 @@ class CompiledPasses:
         t0 = time.perf_counter()
         L, dim = self.model.config.n_layers, self.model.config.dim
         dtype = self.model.tok_embeddings.weight.dtype
-        ranges = [(0, L, True, 1), (0, L, True, 3)]
+        # the last two: a prompt's rows past a cached prefix (``prefill`` with a start)
+        ranges = [(0, L, True, 1), (0, L, True, 3), (0, L, False, 1), (0, L, False, 3)]
         if early_exit:
             for E in range(1, L):  # drafting, the last draft token's rows, verification
                 ranges += [(0, E, True, 1), (0, E, False, 1), (E, L, True, 3)]

@@ -259,10 +259,10 @@ class Micro(nn.Module):
         """Prompt ids (T,) through every layer with their KV rows written at
         [start, start+T), each row seeing the rows before it: the final residual stream
         (T, dim). No logits: a prefill needs none. Compiled (``CompiledPasses.prefill``)
-        from an empty slot, when ``compile()`` was called; eager otherwise."""
+        when ``compile()`` was called; eager otherwise."""
         compiled = self.compiled
-        if compiled is not None and start == 0:
-            done = compiled.prefill(self.embed(ids), cache, slot)
+        if compiled is not None:
+            done = compiled.prefill(self.embed(ids), cache, slot, start=start)
             if done is not None:
                 return done
         T = ids.shape[0]

@@ -120,8 +120,8 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
 
     With compiled passes (``Micro.compile``) the blocks that want logits (at most
     ``NARROW`` rows each: current tokens and drafts) run as one compiled packed pass
-    (``CompiledPasses.packed``), each prompt's first chunk through the compiled prefill,
-    and only what neither takes (a later chunk of a long prompt, drafts too many for the
+    (``CompiledPasses.packed``), each prompt's chunk through the compiled prefill
+    (``CompiledPasses.prefill``), and only what neither takes (drafts too many for the
     compiled pass, a family not compiled yet) eagerly, in a packed pass of its own.
     """
     compiled = model.compiled
@@ -135,8 +135,8 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
             for i, o in zip(narrow, got):
                 out[i] = o
     for i, s in enumerate(segments):
-        if out[i] is None and not s.logits and s.start == 0:
-            hidden = compiled.prefill(model.embed(s.ids), cache, s.slot)
+        if out[i] is None and not s.logits:
+            hidden = compiled.prefill(model.embed(s.ids), cache, s.slot, start=s.start)
             if hidden is not None:
                 out[i] = (None, hidden)
     rest = [i for i in range(len(segments)) if out[i] is None]

@@ -312,7 +312,7 @@ async def _respond(request: Request, body: Any, run: Run, prompts: list[list[int
     finally:
         watcher.cancel()
         run.cancel()
-    usage = _usage(prompt_tokens, run.completion_tokens)
+    usage = _usage(prompt_tokens, run.completion_tokens, run.cached_tokens(body.n))
     spec = run.stats().to_dict()
     tok = run.tokenizer
     if chat_format:
@@ -359,7 +359,8 @@ async def _events(request: Request, body: Any, run: Run, head: dict, prompt_toke
                         **_origins(d))
             offsets[d.index] += len(d.text)
         spec = run.stats().to_dict()
-        final = {"usage": _usage(prompt_tokens, run.completion_tokens)} if include_usage else {}
+        final = ({"usage": _usage(prompt_tokens, run.completion_tokens,
+                                  run.cached_tokens(body.n))} if include_usage else {})
         yield chunk([], speculation=spec, **final)
     except GenerationFailed as e:  # OpenAI clients raise on a chunk that carries "error"
         yield json.dumps(error_body(f"generation failed: {e}", "server_error",
@@ -431,6 +432,7 @@ def _origins(d: Delta) -> dict:
     return {"nodraft": {"tokens": d.tokens, "rejected": d.rejected}}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}

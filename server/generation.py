@@ -157,6 +157,7 @@ class Choice:
     stats: SpecStats | None = None
     done: bool = False
     echoed: bool = False
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied
 
 
 class Run:
@@ -246,6 +247,8 @@ class Run:
             return Delta(c.index, "")
         rejected = []
         for step in steps:
+            if step.cached_tokens is not None:
+                c.cached_tokens = step.cached_tokens
             lps = step.logprobs or [None] * len(step.tokens)
             c.stream.feed(step.tokens, [("accepted" if i < step.n_accepted else "bonus", lps[i])
                                         for i in range(len(step.tokens))])
@@ -298,6 +301,12 @@ class Run:
             if c.stats is not None:
                 total.merge(c.stats)
         return total
+
+    def cached_tokens(self, per_prompt: int) -> int:
+        """Prompt tokens read from the prefix cache, each prompt counted once (as
+        ``usage.prompt_tokens`` counts it): its first choice's, of the ``per_prompt``
+        choices that share it."""
+        return sum(c.cached_tokens for c in self.choices[::per_prompt])
 
     @property
     def completion_tokens(self) -> int:

@@ -96,6 +96,12 @@ class Metrics:
         self.prompt_tokens = Counter(
             "nodraft_prompt_tokens", "Prompt tokens prefilled, per sequence.", ["model"],
             registry=r)
+        self.prefix_cache_queries = Counter(
+            "nodraft_prefix_cache_queries", "Prompt tokens looked up in the prefix cache, per "
+            "sequence.", ["model"], registry=r)
+        self.prefix_cache_hits = Counter(
+            "nodraft_prefix_cache_hits", "Prompt tokens read from the prefix cache instead of "
+            "prefilled, per sequence.", ["model"], registry=r)
         self.requests = Counter(
             "nodraft_requests", "HTTP generation requests by endpoint, speculation method and "
             "status (499: the client went away, while sending its body included).",
@@ -173,6 +179,9 @@ class Metrics:
         """``at``: when the engine had the step ready (``Event.at``); its arrival here
         may be later, several steps at once (``--stream-interval-ms``)."""
         model = progress.request.model
+        if step.cached_tokens is not None:  # the first step: the prompt's prefill
+            self._child(self.prefix_cache_queries, model).inc(len(progress.request.prompt))
+            self._child(self.prefix_cache_hits, model).inc(step.cached_tokens)
         if step.tokens:
             now = time.monotonic() if at is None else at
             n = len(step.tokens)

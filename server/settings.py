@@ -77,6 +77,10 @@ class Settings(BaseSettings):
         "side at most every this many ms, several at a time, instead of waking it for every "
         "engine step (a request's first token, its end and any error are never held; the "
         "figures keep each step's own time); 0: every step at once")
+    prefix_cache_mb: float = Field(
+        64.0, ge=0, description="per model, MiB of prompt blocks kept after their prefill: a "
+        "prompt that starts with kept blocks (a system prompt, the turns of a conversation "
+        "so far, a repeated request) copies their rows instead of computing them; 0: off")
     compile: bool = Field(True, description="compiled single-sequence passes: built once "
                           "per machine by a process of their own (or ahead of time by "
                           "`nodraft compile`) and loaded at start; served eager until "
@@ -107,7 +111,8 @@ class Settings(BaseSettings):
             max_waiting=self.max_waiting, threads=self.engine_threads, compile=self.compile,
             gemm=self.gemm, cores=engine_cores, io_cores=api_cores, log_level=self.log_level,
             compile_cache=str(self.compile_cache) if self.compile_cache else None,
-            stream_interval=self.stream_interval_ms / 1000)
+            stream_interval=self.stream_interval_ms / 1000,
+            prefix_cache_bytes=int(self.prefix_cache_mb * (1 << 20)))
 
     def cores(self) -> tuple[list[int] | None, list[int] | None]:
         """CPU affinity (engine process, API process). With two or more usable cores and

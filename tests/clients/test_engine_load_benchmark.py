@@ -12,10 +12,12 @@ def test_engine_load_reports_each_concurrency_method_and_temperature(tmp_path, c
     out = tmp_path / "load.json"
     engine_load.main(["--concurrency", "1,2", "--requests-per-stream", "1", "--max-tokens", "4",
                       "--rounds", "1", "--sampling", "0,0.8", "--seed", "3",
-                      "--no-response-store", "--out", str(out)])
+                      "--no-response-store", "--prefix-cache-mb", "64,0", "--out", str(out)])
     assert SuffixDecoding.close is close  # the switch is undone
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["concurrency"], r["temperature"], r["method"]) for r in rows] == [
-        (c, t, m) for c in (1, 2) for t in (0.0, 0.8) for m in ("none", "auto")]
+    assert [(r["concurrency"], r["temperature"], r["prefix_cache_mb"], r["method"])
+            for r in rows] == [(c, t, pc, m) for c in (1, 2) for t in (0.0, 0.8)
+                               for pc in (64, 0) for m in ("none", "auto")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert "| 2 | 0.8 | auto |" in capsys.readouterr().out
+    assert all(r["x_first_prefix_cache"] == 1 for r in rows if r["prefix_cache_mb"] == 64)
+    assert "| 2 | 0.8 | auto | 0 |" in capsys.readouterr().out

@@ -49,6 +49,8 @@ METRICS = {
     "nodraft_requests_waiting",
     "nodraft_drafter_errors_total",
     "nodraft_auto_choices_total",
+    "nodraft_prefix_cache_queries_total",
+    "nodraft_prefix_cache_hits_total",
 }
 
 

@@ -212,7 +212,7 @@ def test_the_issues_panels_are_there_speculation_first():
               "Drafter errors", "Generated tokens/s", "Requests/s by status",
               "Time to first token (p50/p95/p99)", "Inter-token latency (p50/p95/p99)",
               "End-to-end request latency (p50/p95/p99)", "Running and waiting requests",
-              "auto's choices", "Requests/s by method asked"]
+              "Prefix cache hit rate", "auto's choices", "Requests/s by method asked"]
     assert titles == wanted
     for title in titles[7:10]:
         exprs = [t["expr"] for p in ordered if p["title"] == title for t in p["targets"]]

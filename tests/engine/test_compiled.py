@@ -113,6 +113,25 @@ def test_the_compiled_prefill_matches_eager(pair, T):
     torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-3)
 
 
+# a prompt's rows past a cached prefix (or a long prompt's next chunk): one row, a few, many
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_the_compiled_prefill_past_a_prefix_matches_eager(pair, T):
+    eager, compiled = pair
+    start = 20
+    ce, _ = _prefilled(eager, start)
+    cc, _ = _prefilled(eager, start)  # the same prefix, written eagerly, for both
+    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
+    he = eager.prefill_pass(ids, ce, 1, start)
+    hc = compiled.prefill_pass(ids, cc, 1, start)
+    L = eager.config.n_layers
+    assert any(f[:4] == (0, L, False, T > 1) for f in compiled.compiled._ready)  # compiled
+    assert hc.shape == he.shape == (T, eager.config.dim)
+    torch.testing.assert_close(hc, he, rtol=1e-4, atol=1e-3)
+    end = start + T
+    torch.testing.assert_close(cc.k[:, 1, :, :end], ce.k[:, 1, :, :end], rtol=1e-4, atol=2e-4)
+    torch.testing.assert_close(cc.v[:, 1, :, :end], ce.v[:, 1, :, :end], rtol=1e-4, atol=2e-4)
+
+
 def test_short_contexts_and_cold_families_run_eager(checkpoint_dir):
     model = load_model("micro", checkpoint_dir).compile(lazy=False)
     cache, _ = _prefilled(model, 20)
@@ -193,6 +212,9 @@ def test_after_the_warm_up_no_pass_compiles(checkpoint_dir):
         with torch.inference_mode():
             for T in (1, 2, 60):  # prompts of every size prefill compiled
                 model.prefill_pass(ids[:T], cache, 1, 0)
+            model.prefill_pass(ids[:16], cache, 1, 0)
+            for T in (1, 20):  # the rows past a cached prefix
+                model.prefill_pass(ids[16:16 + T], cache, 1, 16)
             model.prefill_pass(ids[:37], cache, 1, 0)
             cache.set_length(1, 37)
             for T in (1, 4, 1, 6, 2):
@@ -247,7 +269,7 @@ def _packed_batches(model, cache):
     """Batches over ``cache`` (5 slots, each with a prefix of its own): one row per slot
     of the whole cache; one row in a sparse range with a slot whose prefix is empty (a
     one-token prompt); chains and a tree; and prompt chunks beside steps -- a first chunk
-    (compiled prefill) and a later one (eager)."""
+    (the prefill graph) and a later one (the full pass without a head)."""
     from nodraft.micro.packed import Segment
 
     V = model.config.vocab_size
@@ -279,7 +301,7 @@ def test_packed_passes_match_eager(checkpoint_dir):
     give eager's logits, hidden states and cache rows, for every kind of batch: one-row
     blocks over the whole cache and in a sparse range, drafted blocks (chains, a tree)
     beside one-row ones or alone, a lone one-row block beside drafted ones, prompt chunks
-    beside steps (a later chunk eager)."""
+    beside steps (a later chunk through the full pass without a head)."""
     from nodraft.micro.packed import forward_packed
 
     eager = load_model("micro", checkpoint_dir)
@@ -300,6 +322,8 @@ def test_packed_passes_match_eager(checkpoint_dir):
         torch.testing.assert_close(cc.v, ce.v, rtol=1e-4, atol=2e-4)
     families = {f[:2] for f in compiled.compiled._ready if f[0] == "packed"}
     assert families == {("packed", False), ("packed", True)}  # both ran compiled
+    L = eager.config.n_layers
+    assert (0, L, False, True) in {f[:4] for f in compiled.compiled._ready}  # the later chunk
     # the one-row blocks' attention: nodraft's kernel wherever the products are nodraft's
     assert ("nodraft::attend" in ops) == (compiled.compiled.gemm_kind == "nodraft")
     if compiled.compiled.gemm_kind == "nodraft":  # the rows written by nodraft's copy too

@@ -117,6 +117,23 @@ def test_labels_by_model_and_method(live):
                                    endpoint="/v1/completions", method="early_exit") >= 1)
 
 
+def test_prefix_cache_counters_add_up_to_the_usage(live):
+    import uuid
+
+    url = live.url
+    req = {"model": "micro", "prompt": f"# {uuid.uuid4().hex}\n" + PROMPT * 3,
+           "max_tokens": 3, "temperature": 0, "speculation": "none"}
+    before = [metric(url, f"nodraft_prefix_cache_{k}_total", model="micro")
+              for k in ("queries", "hits")]
+    usages = [httpx.post(url + "/v1/completions", json=req, timeout=60).json()["usage"]
+              for _ in range(2)]
+    after = [metric(url, f"nodraft_prefix_cache_{k}_total", model="micro")
+             for k in ("queries", "hits")]
+    assert after[0] - before[0] == sum(u["prompt_tokens"] for u in usages)
+    assert after[1] - before[1] == sum(u["prompt_tokens_details"]["cached_tokens"]
+                                       for u in usages) > 0
+
+
 def test_design_metric_names_present(live):
     httpx.post(live.url + "/v1/completions", timeout=60, json={
         "model": "micro", "prompt": "a a a a", "max_tokens": 6, "temperature": 0,
@@ -129,7 +146,8 @@ def test_design_metric_names_present(live):
                  "nodraft_requests_total", "nodraft_time_to_first_token_seconds_bucket",
                  "nodraft_inter_token_latency_seconds_bucket",
                  "nodraft_e2e_request_latency_seconds_bucket", "nodraft_requests_running",
-                 "nodraft_requests_waiting", "nodraft_drafter_errors_total"]:
+                 "nodraft_requests_waiting", "nodraft_drafter_errors_total",
+                 "nodraft_prefix_cache_queries_total", "nodraft_prefix_cache_hits_total"]:
         assert name in names, name
 
 

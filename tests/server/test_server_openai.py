@@ -302,3 +302,27 @@ def test_langchain_logprobs(live):
     result = llm.generate([PROMPT])
     info = result.generations[0][0].generation_info
     assert "".join(info["logprobs"]["tokens"]) == result.generations[0][0].text
+
+
+def test_a_repeated_prompt_reads_its_prefix_from_the_cache(client):
+    """``usage.prompt_tokens_details.cached_tokens``: none the first time a prompt is seen,
+    its whole blocks after (never its last token); the text is the same. Streamed too."""
+    import uuid
+
+    prompt = f"# {uuid.uuid4().hex}\n" + PROMPT * 4  # a prompt no other test sent
+    first = client.completions.create(model="micro", prompt=prompt, max_tokens=8,
+                                      temperature=0, extra_body={"speculation": "none"})
+    again = client.completions.create(model="micro", prompt=prompt, max_tokens=8,
+                                      temperature=0, extra_body={"speculation": "none"})
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert n - 16 <= cached < n and cached % 16 == 0
+    assert again.choices[0].text == first.choices[0].text
+    stream = client.completions.create(model="micro", prompt=prompt, max_tokens=8,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"speculation": "none"})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
