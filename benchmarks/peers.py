@@ -49,8 +49,9 @@ peers' samplers draw other numbers and are not compared. llama-cpp-python's serv
 text only: its tokens are counted by encoding the text again. In-process nodraft drafters start every request from a
 fresh server's state; the served ones keep what the server learnt in earlier requests
 (suffix decoding's store of responses, ``auto``'s estimates), as a server asked the same
-thing again would. llama-server is sent ``cache_prompt: false`` and llama-cpp-python's
-in-process ``Llama`` is reset before each request, so every system prefills each prompt.
+thing again would. llama-server is sent ``cache_prompt: false``, llama-cpp-python's
+in-process ``Llama`` is reset before each request, and nodraft runs without its prefix
+cache (``--prefix-cache-mb 0``), so every system prefills each prompt.
 """
 
 from __future__ import annotations
@@ -302,7 +303,7 @@ def _engine_worker(threads: int, config: dict):
     ck = Path(config["checkpoints"])
     tok = load_tokenizer(ck / "tokenizer.json")
     cfg = EngineConfig(str(ck), max_running=8, max_waiting=8, threads=threads, compile=True,
-                       log_level="warning")
+                       log_level="warning", prefix_cache_bytes=0)  # every prompt prefilled
     engine = build_engine(cfg)
     registry = engine.registry
     engine.start()
@@ -638,7 +639,7 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
         port = free_port()
         nd_cmd = [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
                   "--threads", str(args.threads), "--max-running", "8", "--checkpoints", str(ck),
-                  "--compile", "true", "--log-level", "warning"]
+                  "--compile", "true", "--log-level", "warning", "--prefix-cache-mb", "0"]
         nd_proc, nd_log = start(nd_cmd, "nodraft")
         procs.append(nd_proc)
         systems: dict = {"nodraft": NodraftServer(f"http://127.0.0.1:{port}"),

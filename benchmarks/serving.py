@@ -28,7 +28,9 @@ same tokens for a seed).
 1. one stream of ``none``, ``--tokens`` tokens, streamed and not: tokens/s, and each over
    the in-process engine's best (the faster of 1 and 2 threads) and over ``generate()``;
 2. time to first token, streaming, for a 4-token prompt and for prompts of 60-160 tokens
-   (median of ``--ttft-requests`` each, one token generated... until the first chunk);
+   (median of ``--ttft-requests`` each, one token generated... until the first chunk); each
+   long prompt starts with a line of its own (``# request i``), so no server's prefix cache
+   holds a block of it and every request times its whole prefill;
 3. ``nodraft loadtest`` at ``--loadtest`` concurrencies, ``none`` and ``auto``, greedy
    and sampled, on process-1, process-2 and thread-1 in alternation (each warmed with a
    short load test of each method first): tokens/s, TTFT and ITL p50/p99, errors.
@@ -382,8 +384,8 @@ def main(argv: list[str] | None = None) -> None:
             names = list(servers) if i % 2 == 0 else list(reversed(servers))
             for name in names:
                 ttfts.setdefault(f"{name}/short", []).append(ttft(clients[name], SHORT_PROMPT))
-                ttfts.setdefault(f"{name}/long", []).append(
-                    ttft(clients[name], LONG_PROMPTS[i % len(LONG_PROMPTS)]))
+                fresh = f"# request {i} {name}\n" + LONG_PROMPTS[i % len(LONG_PROMPTS)]
+                ttfts.setdefault(f"{name}/long", []).append(ttft(clients[name], fresh))
         results["ttft_ms_median"] = {k: 1e3 * median(v) for k, v in ttfts.items()}
         print(json.dumps(results["ttft_ms_median"]), file=sys.stderr, flush=True)
         save(args.out, results)

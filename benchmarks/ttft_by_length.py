@@ -6,7 +6,9 @@
 
 Start the servers first (``nodraft serve --port 8301 --threads 1`` and ``--threads 2``, say;
 or two checkouts, ``checkouts.checkout_env``), with their compiled passes ready. Prompts are
-the first N tokens of the standard library's ``argparse.py``; each request is streamed,
+N tokens of the standard library's ``argparse.py``, from a place of their own for every
+request (never a prompt sent before: a server's prefix cache finds none of its blocks, and
+each request times a whole prefill); each request is streamed,
 greedy, ``none``, 2 tokens, timed from sending to the first generated token on one kept
 HTTP client per server. Every length once on each server first (untimed), then
 ``--requests`` rounds, servers alternated. Prints the median ms per length and server,
@@ -50,20 +52,26 @@ def main(argv: list[str] | None = None) -> None:
     assert len(urls) == 2, "two servers: --url A=... --url B=..."
     tok = load_tokenizer()
     ids = tok.encode(open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read())
-    prompts = {n: tok.decode(ids[:n]) for n in (int(x) for x in args.lengths.split(","))}
+    lengths = [int(x) for x in args.lengths.split(",")]
+    fresh = iter(range(0, len(ids), 7))  # each prompt starts 7 tokens after the last one's
+
+    def prompt(n: int) -> str:
+        start = next(fresh) % max(1, len(ids) - n)
+        return tok.decode(ids[start:start + n])
+
     clients = {k: httpx.Client(base_url=u, timeout=60) for k, u in urls.items()}
     for c in clients.values():
-        for prompt in prompts.values():
-            ttft(c, prompt)
+        for n in lengths:
+            ttft(c, prompt(n))
     times: dict[tuple[str, int], list[float]] = {}
     names = list(clients)
     for i in range(args.requests):
         for name in (names if i % 2 == 0 else names[::-1]):
-            for n, prompt in prompts.items():
-                times.setdefault((name, n), []).append(ttft(clients[name], prompt))
+            for n in lengths:
+                times.setdefault((name, n), []).append(ttft(clients[name], prompt(n)))
     a, b = names
     print(f"| prompt tokens | {a} ms | {b} ms | {b} / {a} |\n|---|---|---|---|")
-    for n in prompts:
+    for n in lengths:
         ma, mb = (statistics.median(times[(k, n)]) for k in (a, b))
         print(f"| {n} | {ma:.1f} | {mb:.1f} | {mb / ma:.2f} |")
     print(json.dumps({"command": "python benchmarks/ttft_by_length.py " + " ".join(

@@ -61,7 +61,8 @@ SLOTS = 5  # the engine cache's slots: graphs are built per cache shape
 
 def passes(model) -> list[list[float]]:
     """Logits of a 1-row and a 5-row pass after 9 cached rows (and a 3-row one after 20),
-    after a 20-row prefill; then packed passes (``forward_packed``): one row in every slot
+    after a 20-row prefill; the last hidden row of a prompt's 1 and 4 rows past 6 cached
+    ones (the full pass without a head); then packed passes (``forward_packed``): one row in every slot
     (the whole cache, where the warm-up's batch spanned less of it), one row in a sparse
     range of slots, then chains and a tree beside a one-row block (the mixed family)."""
     from nodraft.engine.sequence import tree_attention_mask
@@ -75,6 +76,8 @@ def passes(model) -> list[list[float]]:
         for T, start in ((1, 9), (5, 9), (3, 20)):
             logits, _ = model.verify_pass(ids[start:start + T], cache, 1, start)
             out.append(logits[-1, :8].tolist())
+        for T in (1, 4):
+            out.append(model.prefill_pass(ids[6:6 + T], cache, 2, 6)[-1, :8].tolist())
         starts = [11, 20, 7, 15, 3]
         for s, n in enumerate(starts):  # each slot a prefix of its own
             model.prefill_pass((ids[:n] + 3 * s) % model.config.vocab_size, cache, s, 0)
@@ -98,6 +101,8 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     assert saved == ["packed_mixed.json", "packed_mixed.pt2", "packed_row.json",
                      "packed_row.pt2", "passes_0_2_head_row.json", "passes_0_2_head_row.pt2",
                      "passes_0_2_head_rows.json", "passes_0_2_head_rows.pt2",
+                     "passes_0_2_row.json", "passes_0_2_row.pt2",
+                     "passes_0_2_rows.json", "passes_0_2_rows.pt2",
                      "prefill.json", "prefill.pt2"]
     want = passes(model)  # the saved graphs, run in this process
     eager = passes(tiny_model(dtype=torch.float32, config=SMALL))
@@ -107,7 +112,7 @@ def test_saved_graphs_load_elsewhere_and_run_without_tracing(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     # loaded, run (none refused by its guards: it would have run eager) and nothing traced
-    assert got["loaded"] == got["running"] == got["ran"] == 5 and got["frames"] == 0
+    assert got["loaded"] == got["running"] == got["ran"] == 7 and got["frames"] == 0
     assert got["refused"]
     torch.testing.assert_close(torch.tensor(got["out"]), torch.tensor(want), rtol=1e-5,
                                atol=1e-5)
