@@ -44,8 +44,9 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
 The numbers differ from eager micro in the last bits (fused reductions), as eager
 already differs between a 1-row and a k-row pass. A prompt's first 256 rows are
 prefilled by a graph of their own (``prefill``: no cached prefix, SDPA's causal attention,
-no head), later chunks and a packed pass's prompt chunks eagerly; a pass whose family is
-not compiled yet (or whose cached prefix is under two rows) runs eager. Speculative and
+no head), its rows past rows already cached (a prefix read from the prefix cache, a later
+chunk) by the full pass's graph without a head, alone or in a packed pass; a pass whose
+family is not compiled yet (or whose cached prefix is under two rows) runs eager. Speculative and
 plain greedy decoding stay token-for-token equal all the same:
 tests/server/test_server_compiled.py runs every drafter on both checkpoints with the
 compiled passes a server loads.
