@@ -140,7 +140,3 @@ class PrefixCache:
         while self.nbytes > self.capacity_bytes and self._blocks:
             _, blk = self._blocks.popitem(last=False)
             self.nbytes -= blk.nbytes
-
-    def clear(self) -> None:
-        self._blocks.clear()
-        self.nbytes = 0
