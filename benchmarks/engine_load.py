@@ -49,7 +49,7 @@ from nodraft.clients.loadtest import PROMPTS
 from nodraft.drafters.registry import Registry
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.engine.core import Engine, GenerationRequest
-from nodraft.engine.prefix_cache import PREFIX_CACHE_BYTES
+from nodraft.engine.launch import PREFIX_CACHE_BYTES
 from nodraft.engine.verify import SamplingParams
 
 

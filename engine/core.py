@@ -50,7 +50,8 @@ from nodraft.drafters.base import Draft, DrafterEnv, has_hook
 from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
-from nodraft.engine.prefix_cache import PREFIX_CACHE_BYTES, PrefixCache
+from nodraft.engine.launch import PREFIX_CACHE_BYTES
+from nodraft.engine.prefix_cache import PrefixCache
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats

@@ -31,8 +31,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from nodraft.engine.launch import PREFIX_CACHE_BYTES  # noqa: F401  (the default capacity)
-
 BLOCK = 16  # tokens a block holds (vLLM's default block size)
 
 
@@ -68,15 +66,17 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _chain(self, tokens: list[int], n_blocks: int) -> list[_Block]:
-        """The kept blocks that start ``tokens``, at most ``n_blocks`` of them."""
-        out: list[_Block] = []
+    def _chain(self, tokens: list[int], n_blocks: int) -> list[tuple[tuple, _Block]]:
+        """The kept blocks that start ``tokens``, at most ``n_blocks`` of them, with their
+        keys."""
+        out: list[tuple[tuple, _Block]] = []
         parent = 0
         for b in range(n_blocks):
-            blk = self._blocks.get((parent, tuple(tokens[b * self.block:(b + 1) * self.block])))
+            key = (parent, tuple(tokens[b * self.block:(b + 1) * self.block]))
+            blk = self._blocks.get(key)
             if blk is None:
                 break
-            out.append(blk)
+            out.append((key, blk))
             parent = blk.id
         return out
 
@@ -96,19 +96,15 @@ class PrefixCache:
         if not chain:
             return None
         n = len(chain) * self.block
-        keys, parent = [], 0
-        for b, blk in enumerate(chain):
-            keys.append((parent, tuple(prompt[b * self.block:(b + 1) * self.block])))
-            parent = blk.id
-        self._touch(keys)
+        self._touch([key for key, _ in chain])
         with torch.inference_mode():
-            for b, blk in enumerate(chain):
+            for b, (_, blk) in enumerate(chain):
                 rows = slice(b * self.block, (b + 1) * self.block)
                 cache.k[:, slot, :, rows] = blk.k
                 cache.v[:, slot, :, rows] = blk.v
         cache.set_length(slot, n)
         self.hits += n
-        return torch.cat([blk.hidden for blk in chain])
+        return torch.cat([blk.hidden for _, blk in chain])
 
     def store(self, prompt: list[int], n_rows: int, cache, slot: int, hidden: Tensor) -> None:
         """Keep the whole blocks of ``prompt`` among its first ``n_rows`` rows, computed in

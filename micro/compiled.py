@@ -813,7 +813,9 @@ def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool, attend=None
         dest = rest[-1]
         h = emb[ids]
         cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]  # (N, 1, 1, D)
-        past1 = _past_mask(starts1, ctx1, h.dtype)
+        padded = attend is None or mixed  # blocks gathered from the rows with a zero row
+        if attend is None:
+            past1 = _past_mask(starts1, ctx1, h.dtype)
         if mixed:
             src2, starts2, idx2, k2, v2, mask2 = rest[:6]
             B2, ctx2, Tq = starts2.shape[0], k2.shape[3], mask2.shape[1]
@@ -825,9 +827,10 @@ def _make_packed_core(model, wt: dict[str, Tensor], mm, mixed: bool, attend=None
             x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
             qkv = mm(x, wqkv).view(N, 3, H, D)
             qk = apply_rope(qkv[:, :2], cos, sin)
-            q0 = torch.cat([qk[:, 0], zero])  # (N + 1, H, D): the zero row last
-            k0 = torch.cat([qk[:, 1], zero])
-            v0 = torch.cat([qkv[:, 2], zero])
+            if padded:  # (N + 1, H, D): the zero row last
+                q0 = torch.cat([qk[:, 0], zero])
+                k0 = torch.cat([qk[:, 1], zero])
+                v0 = torch.cat([qkv[:, 2], zero])
             # the one-row blocks, (B1, H, D) (no comprehensions here: a saved graph's
             # code must not hold a nested function, whose globals a load does not supply)
             if attend is not None:
