@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nodraft.drafters.auto import Auto
 from nodraft.drafters.goodput import MAX_ALPHA, Acceptance, best_length
@@ -134,7 +136,7 @@ def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
     auto.propose(ctx, 8)
     asked = []
     for name, d in auto.drafters.items():
-        d.proposal = (lambda f, n: lambda c, b: (asked.append(n), f(c, b))[1])(d.proposal, name)
+        d.matches = (lambda f, n: lambda c, b: (asked.append(n), f(c, b))[1])(d.matches, name)
     auto.last = (("prompt_lookup", 3, "greedy"), 3, 3)
     ctx.tokens += [5, 9, 11, 3]
     auto.observe(ctx, [5, 9, 11])
@@ -176,9 +178,10 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_auto_asks_its_candidates_every_step(temperature):
-    """Greedy or sampled, auto asks its candidates at every step that has room for a
-    draft, even where nothing they propose has paid."""
+def test_auto_asks_again_one_step_after_a_step_where_nothing_could_pay(temperature):
+    """Greedy or sampled, auto reads its candidates' matches at every step with room for a
+    draft, except the step right after one where nothing could pay: a copy that starts
+    there is met one step late, and asking costs half as much while none comes."""
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -187,15 +190,53 @@ def test_auto_asks_its_candidates_every_step(temperature):
 
     def nothing(ctx, budget):
         asked.append(len(ctx.tokens))
-        return [], None, 0
+        return []
 
-    auto.candidates()["prompt_lookup"].proposal = nothing
+    auto.candidates()["prompt_lookup"].matches = nothing
     out, seq, steps = generate(MODEL, list(range(1, 20)), 60, drafter=auto,
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == 60 and not any(s.draft for s in steps)
     # the last step has no room for a draft: the sequence does not ask for one
     # nor does the first step (the prompt's prefill, which carries no draft)
-    assert [n - 19 for n in asked] == list(range(1, 59))
+    assert [n - 19 for n in asked] == list(range(1, 59, 2))
+
+
+def test_a_draft_that_could_pay_is_built_at_every_step():
+    """No rest while a candidate could pay: its draft is built, and sent, every step."""
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    key = ("prompt_lookup", 3, "greedy")  # its 3-gram [3 7 2] matches
+    auto.propose(ctx, 8)
+    built = []
+    d = auto.drafters["prompt_lookup"]
+    d.proposal = (lambda f: lambda c, b: (built.append(1), f(c, b))[1])(d.proposal)
+    auto.est[key] = Acceptance(40.0, 0.5)  # mostly accepted
+    for _ in range(6):
+        assert len(auto.propose(ctx, 8)) and not auto.rest
+    assert len(built) == 6
+
+
+def test_a_draft_that_cannot_pay_is_not_built_but_explored_now_and_then():
+    """Where the belief of a match length says no draft from it can beat plain decoding,
+    auto does not build the draft -- except once in ``EXPLORE`` such steps, so the
+    belief is still scored against the text."""
+    from nodraft.drafters.auto import EXPLORE
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    key = ("prompt_lookup", 3, "greedy")  # its 3-gram [3 7 2] matches
+    auto.propose(ctx, 8)
+    assert key in auto.proposals  # Beta(1, 1): a draft could pay
+    built = []
+    d = auto.drafters["prompt_lookup"]
+    d.proposal = (lambda f: lambda c, b: (built.append(1), f(c, b))[1])(d.proposal)
+    auto.est[key] = Acceptance(0.05, 40.0)  # rarely accepted
+    for _ in range(2 * EXPLORE):
+        auto.rest = False  # as if each were asked
+        assert not len(auto.propose(ctx, 8))
+    assert len(built) == 2
 
 
 def test_sampled_drafts_that_pay_are_sent():
@@ -232,7 +273,7 @@ def test_beliefs_are_kept_per_sampling_regime():
     prompt = [4, 8, 15, 16, 23, 42] * 6
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
     assert {k[2] for k in shared["auto_alpha"]} == {"greedy"}
-    generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"},
+    generate(MODEL, prompt, 60, "auto", {"candidates": "prompt_lookup"},
              SamplingParams(temperature=1.0, seed=0), shared=shared)
     assert {k[2] for k in shared["auto_alpha"]} == {"greedy", "t>0.85"}
     # a (drafter, match length) both regimes drafted with keeps a belief in each
@@ -321,3 +362,30 @@ def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
     assert cache.k[:, 1, :, 20:20 + ROWS[-1]].abs().sum() > 0  # the scratch rows it used
     assert pass_cost(drafter_env(model), ctx) is cost  # measured once per model
     assert model in _COSTS
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=80),
+       st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), max_size=4),
+       st.integers(1, 16))
+def test_a_cheap_drafters_matches_bound_the_draft_it_proposes(tokens, responses, budget):
+    """What ``auto`` gates on: every draft a cheap drafter proposes comes from one of the
+    matches it reports, no deeper than that match's longest draft (so the best goodput
+    up to that length bounds the draft's), and there is no draft without a match."""
+    from nodraft.drafters.base import DraftContext, tree_depths
+    from nodraft.micro.model import KVCache
+
+    shared: dict = {}
+    for name in ("prompt_lookup", "suffix"):
+        method, params = Registry().parse({"method": name})
+        drafter = Registry().build(method, params, drafter_env(MODEL, shared))
+        if name == "suffix":
+            for r in responses:
+                drafter.global_index.add(list(r))
+        ctx = DraftContext(list(tokens), len(tokens), MODEL, KVCache(MODEL.config, 1), 0)
+        bounds = drafter.matches(ctx, budget)
+        got, parents, m = drafter.proposal(ctx, budget)
+        if not got:
+            continue
+        depth = len(got) if parents is None else max(tree_depths(parents))
+        assert any(bm == m and depth <= longest for bm, longest in bounds), (name, bounds, m)
