@@ -9,24 +9,26 @@ from the table measured on this machine (``drafters.costs.PassCost``) plus the d
 own measured time. The candidates, and the signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
-  them every step -- that *is* the signal: no n-gram or suffix match, no draft. It first
-  reads what each would draft from (``matches``: the match length, the longest draft)
-  and builds the draft only where the match length's belief says a draft that long could
-  beat plain decoding (the best goodput up to that length bounds the draft's); a match
-  that could not is still built once in ``EXPLORE`` steps, to be scored. A match's draft
-  is trimmed to the length where one more token stops paying.
+  them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
+  draft. A match's draft is trimmed to the length where one more token stops paying.
 - ``eagle`` and ``medusa``: when the model has trained weights. Their draft is not free
   (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
   their recent acceptance (at the belief's mean: trying one costs a whole draft step) and
   measured drafting time first (one target pass until measured), and only drafts with the
   one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
-- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft. Auto
-  asks its candidates at every step, greedy or sampled -- under sampling the copies that
-  pay come at steps no rule saw coming (docs/LOG.md, "`auto` asks every step") -- except
-  the step right after one where no candidate could pay: that one runs as plain decoding
-  without asking (a copy that starts there is met one step later), which halves what
-  asking costs where nothing pays, most steps of sampled text.
+- ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
+- **Rests where nothing pays**: after an asked step where nothing beat plain decoding,
+  auto does not ask at the next step, nor at the next 2 and 4 after further such steps in
+  a row (``REST_MAX``; any draft sent ends it); the passes it rests are plain decoding.
+  Asking costs tens of microseconds on a step of a few hundred, and under sampling at
+  temperature 1.0 nothing pays at most steps: an ``auto`` that asked every step and never
+  sent a draft ran at ~0.87x ``none`` there (docs/LOG.md, 2026-12-05). A copy that starts
+  at a rested step is met a few steps late, so auto never rests while any match length's
+  acceptance is believed at least ``COPIES_PAY`` (a copy's first step is worth several
+  tokens): greedy loops and sampled text that quotes its context are asked at every step,
+  as ever (docs/LOG.md, "`auto` asks every step": a pause rule that ignored what the
+  copies were worth cost a tenth of the speed-up at temperature 0.7).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied); the others
   are asked again at the first step it does not win outright.
@@ -81,7 +83,10 @@ CHEAP = ("prompt_lookup", "suffix")
 TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
-EXPLORE = 8  # a draft that cannot pay is still built and scored once in this many steps
+# where some match length's acceptance is believed at least this (a copy that starts is
+# worth ~4 tokens a step), a copy's first step is worth meeting at once: auto never rests
+COPIES_PAY = 0.8
+REST_MAX = 4  # the longest rest, in steps (``Auto.propose``)
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -148,8 +153,9 @@ class Auto(DrafterBase):
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
         self.winner: str | None = None  # the cheap drafter whose last draft was accepted whole
         self.reg = "greedy"  # this request's sampling regime
-        self.skipped: dict[tuple, int] = {}  # steps each key's drafts were not built
-        self.rest = False  # the next step is not asked (``propose``)
+        self.rest = 0  # steps left not to ask at (``propose``)
+        self.pause = 0  # the last rest's length
+        self.copies_pay: set[tuple] = set()  # keys believed at least COPIES_PAY
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
@@ -223,6 +229,8 @@ class Auto(DrafterBase):
         g = self.global_est.get(key)
         if est is None:
             est = self.est[key] = dataclasses.replace(g) if g is not None else Acceptance()
+            if est.alpha >= COPIES_PAY:
+                self.copies_pay.add(key)
         elif g is not None and est.step < self.step:
             w = 0.95 ** (self.step - est.step)
             est.accepted = w * est.accepted + (1 - w) * g.accepted
@@ -231,8 +239,13 @@ class Auto(DrafterBase):
         return est
 
     def _observe(self, key: tuple, depth: int, accepted: int) -> None:
-        self._estimate(key).observe(depth, accepted)
-        self.est[key].step = self.step + 1  # updated this step: no drift for it
+        est = self._estimate(key)
+        est.observe(depth, accepted)
+        est.step = self.step + 1  # updated this step: no drift for it
+        if est.alpha >= COPIES_PAY:
+            self.copies_pay.add(key)
+        else:
+            self.copies_pay.discard(key)
         self.global_est.setdefault(key, Acceptance()).observe(depth, accepted, SERVER_DECAY)
 
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
@@ -243,26 +256,6 @@ class Auto(DrafterBase):
         self.draft_seconds[name] = dt if old is None else 0.8 * old + 0.2 * dt
         return draft
 
-    def _may_pay(self, name: str, matches: list[tuple[int, int]], reg: str, best_g: float
-                 ) -> bool:
-        """Whether a cheap drafter's draft from one of its ``matches`` (match length, the
-        most tokens the draft may hold) could beat goodput ``best_g``: the best goodput of
-        any draft up to that length under the match length's belief bounds what the draft
-        built from it can reach (a shorter draft, or a tree no deeper than its nodes,
-        expects no more tokens for no fewer rows). A key that could not pay is still
-        built every ``EXPLORE`` steps it is passed over, so its belief -- informed by
-        scoring the drafts not sent -- keeps up with the text."""
-        for m, longest in matches:
-            key = (name, min(m, MAX_MATCH), reg)
-            if best_length(self._estimate(key), longest, self.cost)[0] > best_g:
-                return True
-            skipped = self.skipped.get(key, 0) + 1
-            if skipped >= EXPLORE:
-                self.skipped[key] = 0
-                return True
-            self.skipped[key] = skipped
-        return False
-
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
         return tokens / (self.cost(1 + rows) + seconds)
 
@@ -270,8 +263,8 @@ class Auto(DrafterBase):
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         if not self._built:
             self.candidates()
-        if self.rest:  # the last step had nothing that could pay: this one is not asked
-            self.rest = False
+        if self.rest:  # the last asked step had nothing that could pay: not asked
+            self.rest -= 1
             self.proposals, self.last = {}, None
             return _NONE
         budget = min(budget, self.params.num_speculative_tokens)
@@ -283,15 +276,10 @@ class Auto(DrafterBase):
         self.proposals = {}
         winner, self.winner = self.winner, None
         cheap = self.cheap if winner is None else (winner,)
-        hopeless = True  # no candidate could pay this step
         for name in cheap:  # not timed: tens of microseconds, spent before any choice
-            drafter = self.drafters[name]
-            if not self._may_pay(name, drafter.matches(ctx, budget), reg, best_g):
-                continue
-            hopeless = False
             # as lists (``proposal``): a tensor is built only for the draft sent; the cheap
             # drafters keep no per-request state, so they read the request's context itself
-            tokens, parents, match_len = drafter.proposal(ctx, budget)
+            tokens, parents, match_len = self.drafters[name].proposal(ctx, budget)
             if not tokens:
                 continue
             key = (name, min(match_len, MAX_MATCH), reg)
@@ -323,13 +311,13 @@ class Auto(DrafterBase):
             # draft step's cost (EAGLE's first also reads the whole prompt into its cache)
             g = self._goodput(est.at_mean(depth), rows, seconds)
             if g > best_g and self._trained(name) is not None:
-                hopeless = False
                 draft = self._timed(name, ctx, budget)
                 if len(draft):
                     best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            self.rest = hopeless
+            if not self.copies_pay:
+                self.rest = self.pause = min(2 * self.pause or 1, REST_MAX)
             return _NONE
         if isinstance(best_draft, Draft):  # a trained drafter's, sent whole
             draft = dataclasses.replace(best_draft, method=best_key[0])
@@ -338,6 +326,7 @@ class Auto(DrafterBase):
             draft = Draft.of(tokens[:k], None if parents is None else parents[:k], match_len,
                              method=best_key[0])
         self.last = (best_key, max(draft.depths()), len(draft))
+        self.pause = 0
         return draft
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:

@@ -50,10 +50,9 @@ class PromptLookup(DrafterBase):
     def __init__(self, params: Params, env: DrafterEnv | None = None):
         self.params = params
 
-    def _match(self, tokens: list[int], index: dict[tuple, list[int]], budget: int
-               ) -> tuple[int, int, int]:
-        """(the length n of the longest n-gram that matched, where its match ends, the most
-        tokens the draft may hold); (0, -1, 0) without a match."""
+    def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int
+             ) -> tuple[list[int], int]:
+        """(the draft, the length of the n-gram it matched; 0 without a match)."""
         p = self.params
         for n in range(min(p.ngram_max, len(tokens)), p.ngram_min - 1, -1):
             ends = index.get(tuple(tokens[-n:]))
@@ -63,21 +62,8 @@ class PromptLookup(DrafterBase):
                 # at most 2**n tokens
                 k = min(p.num_speculative_tokens, budget,
                         p.num_speculative_tokens if n == p.ngram_max else 2 ** n)
-                return n, end, k
-        return 0, -1, 0
-
-    def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int
-             ) -> tuple[list[int], int]:
-        """(the draft, the length of the n-gram it matched; 0 without a match)."""
-        n, end, k = self._match(tokens, index, budget)
-        return (tokens[end + 1:end + 1 + k], n) if n else ([], 0)
-
-    def matches(self, ctx: DraftContext, budget: int) -> list[tuple[int, int]]:
-        """What ``proposal`` would draft from, without building it: [(match length, the
-        most tokens its draft may hold)], empty without a match. ``auto`` reads this to
-        skip building a draft its estimates say cannot pay."""
-        n, _, k = self._match(ctx.tokens, request_index(ctx, self.params.ngram_max).ends, budget)
-        return [(n, k)] if n else []
+                return tokens[end + 1:end + 1 + k], n
+        return [], 0
 
     def proposal(self, ctx: DraftContext, budget: int) -> tuple[list[int], None, int]:
         """The draft as lists: (tokens, parents -- None: a chain, the match length).

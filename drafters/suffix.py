@@ -60,7 +60,11 @@ class SuffixDecoding(DrafterBase):
         tokens without a match). ``auto`` reads this, and builds a ``Draft`` only of the
         proposal it sends."""
         p = self.params
-        tokens, max_len, limit = ctx.tokens, p.max_depth // 2, self._limit(budget)
+        tokens, max_len = ctx.tokens, p.max_depth // 2
+
+        def limit(m: int) -> int:  # the draft grows with the match length
+            return min(budget, p.num_speculative_tokens, max(1, int(p.max_spec_factor * m)))
+
         best = None
         for index in (request_index(ctx), self.global_index):
             cand = index.draft(tokens, max_len, limit, p.min_token_prob, p.max_depth)
@@ -71,26 +75,6 @@ class SuffixDecoding(DrafterBase):
         tokens, parents, _, m = best
         chain = parents == list(range(-1, len(parents) - 1))
         return tokens, None if chain else parents, m
-
-    def _limit(self, budget: int):
-        p = self.params
-
-        def limit(m: int) -> int:  # the draft grows with the match length
-            return min(budget, p.num_speculative_tokens, max(1, int(p.max_spec_factor * m)))
-        return limit
-
-    def matches(self, ctx: DraftContext, budget: int) -> list[tuple[int, int]]:
-        """What ``proposal`` would draft from, without building it: [(match length, the
-        most tokens its draft may hold)], one per structure with a match (the draft comes
-        from one of them). ``auto`` reads this to skip building a draft its estimates say
-        cannot pay."""
-        max_len, limit = self.params.max_depth // 2, self._limit(budget)
-        out = []
-        for index in (request_index(ctx), self.global_index):
-            m = index.match(ctx.tokens, max_len)[1]
-            if m:
-                out.append((m, min(limit(m), self.params.max_depth - m)))
-        return out
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         return Draft.of(*self.proposal(ctx, budget))
