@@ -18,17 +18,17 @@ own measured time. The candidates, and the signals each is judged on:
   one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
-- **Rests where nothing pays**: after an asked step where nothing beat plain decoding,
-  auto does not ask at the next step, nor at the next 2 and 4 after further such steps in
-  a row (``REST_MAX``; any draft sent ends it); the passes it rests are plain decoding.
-  Asking costs tens of microseconds on a step of a few hundred, and under sampling at
-  temperature 1.0 nothing pays at most steps: an ``auto`` that asked every step and never
-  sent a draft ran at ~0.87x ``none`` there (docs/LOG.md, 2026-12-05). A copy that starts
-  at a rested step is met a few steps late, so auto never rests while any match length's
-  acceptance is believed at least ``COPIES_PAY`` (a copy's first step is worth several
-  tokens): greedy loops and sampled text that quotes its context are asked at every step,
-  as ever (docs/LOG.md, "`auto` asks every step": a pause rule that ignored what the
-  copies were worth cost a tenth of the speed-up at temperature 0.7).
+- **Rests where nothing pays** (at temperatures above 0.85: ``REST_REGIMES``): after an
+  asked step where nothing beat plain decoding, auto does not ask at the next step, nor at
+  the next 2 and 4 after further such steps in a row (``REST_MAX``; any draft sent ends
+  it); the passes it rests are plain decoding. Asking costs tens of microseconds on a
+  step of a few hundred, and at temperature 1.0 nothing pays at most steps: an ``auto``
+  that asked every step and never sent a draft ran at ~0.87x ``none`` there (docs/LOG.md,
+  2026-12-05). A copy that starts at a rested step is met a few steps late, so auto does
+  not rest while any match length's acceptance -- this request's, or at its start the
+  server's -- is believed at least ``COPIES_PAY`` (a copy's first step is worth several
+  tokens). Greedy and at milder temperatures it asks every step, as ever: there copies
+  pay, and rests measured a loss (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied); the others
   are asked again at the first step it does not win outright.
@@ -87,6 +87,10 @@ MAX_MATCH = 8  # match lengths at or above this share one estimate
 # worth ~4 tokens a step), a copy's first step is worth meeting at once: auto never rests
 COPIES_PAY = 0.8
 REST_MAX = 4  # the longest rest, in steps (``Auto.propose``)
+# the sampling regimes auto rests in: where no cheap drafter paid on any of the workload
+# suite's categories (temperature 1.0: 0.79-0.92x ``none`` at best); greedy and at 0.7,
+# where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
+REST_REGIMES = ("t>0.85",)
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -156,6 +160,7 @@ class Auto(DrafterBase):
         self.rest = 0  # steps left not to ask at (``propose``)
         self.pause = 0  # the last rest's length
         self.copies_pay: set[tuple] = set()  # keys believed at least COPIES_PAY
+        self.asked = False  # whether a step has asked the candidates yet
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
@@ -272,6 +277,10 @@ class Auto(DrafterBase):
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
         reg = self.reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
+        if not self.asked:  # the first step asked: where the server's copies pay, so do ours
+            self.asked = True
+            self.copies_pay.update(k for k, g in self.global_est.items()
+                                   if k[2] == reg and g.alpha >= COPIES_PAY)
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
         winner, self.winner = self.winner, None
@@ -316,7 +325,7 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            if not self.copies_pay:
+            if reg in REST_REGIMES and not self.copies_pay:
                 self.rest = self.pause = min(2 * self.pause or 1, REST_MAX)
             return _NONE
         if isinstance(best_draft, Draft):  # a trained drafter's, sent whole

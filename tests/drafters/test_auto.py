@@ -177,8 +177,9 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
-    """Greedy or sampled, after an asked step with nothing to send auto does not ask at
-    the next step, nor at the next 2 and then 4 while asked steps stay empty."""
+    """Above temperature 0.85, after an asked step with nothing to send auto does not ask
+    at the next step, nor at the next 2 and then 4 while asked steps stay empty; greedy
+    and at milder temperatures it asks at every step."""
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -194,7 +195,8 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == 60 and not any(s.draft for s in steps)
     # the first step is the prompt's prefill (no draft), the last has no room for one
-    assert [n - 19 for n in asked] == [1, 3, 6, *range(11, 59, 5)]
+    want = [1, 3, 6, *range(11, 59, 5)] if temperature > 0.85 else list(range(1, 59))
+    assert [n - 19 for n in asked] == want
 
 
 def test_a_draft_sent_ends_the_rest_and_a_copy_worth_meeting_prevents_it():
@@ -203,7 +205,8 @@ def test_a_draft_sent_ends_the_rest_and_a_copy_worth_meeting_prevents_it():
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL))
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its 3-gram [3 7 2] matches
-    key = ("prompt_lookup", 3, "greedy")
+    ctx.temperature = 1.0
+    key = ("prompt_lookup", 3, "t>0.85")
     auto.propose(ctx, 8)
     auto.est[key] = Acceptance(0.05, 40.0)  # rarely accepted: nothing pays
     assert not len(auto.propose(ctx, 8)) and auto.rest == 1
@@ -213,7 +216,7 @@ def test_a_draft_sent_ends_the_rest_and_a_copy_worth_meeting_prevents_it():
     auto.est[key] = Acceptance(40.0, 0.5)  # mostly accepted
     assert len(auto.propose(ctx, 8)) and auto.pause == 0  # a draft sent: rests start over
     # another match length is believed to copy well: no rest, though nothing pays now
-    long_key = ("prompt_lookup", 8, "greedy")
+    long_key = ("prompt_lookup", 8, "t>0.85")
     auto.est[long_key] = Acceptance(30.0, 1.0)
     auto._observe(long_key, 8, 8)
     assert auto.est[long_key].alpha >= COPIES_PAY and long_key in auto.copies_pay
@@ -350,3 +353,20 @@ def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
     assert pass_cost(drafter_env(model), ctx) is cost  # measured once per model
     assert model in _COSTS
 
+
+
+def test_a_request_on_a_server_whose_copies_pay_does_not_rest():
+    """Where the server's belief in some match length is at least ``COPIES_PAY`` (in this
+    regime), a new request meets a copy's first step at once: it does not rest."""
+    shared: dict = {}
+    env = drafter_env(MODEL, shared)
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    ctx.temperature = 1.0
+    key = ("prompt_lookup", 3, "t>0.85")
+    for server, rests in ((Acceptance(30.0, 1.0), 0), (Acceptance(3.0, 3.0), 1)):
+        shared["auto_alpha"] = {("prompt_lookup", 8, "t>0.85"): server}
+        auto = Auto(p, env)
+        auto.candidates()
+        auto.est[key] = Acceptance(0.05, 40.0)  # this request: its 3-gram matches do not pay
+        assert not len(auto.propose(ctx, 8)) and auto.rest == rests
