@@ -271,7 +271,7 @@ class Auto(DrafterBase):
         if self.rest:  # the last asked step had nothing that could pay: not asked
             self.rest -= 1
             self.proposals, self.last = {}, None
-            return _NONE
+            return Draft.not_looked()
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one

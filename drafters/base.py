@@ -149,6 +149,13 @@ class Draft:
         return Draft(torch.empty(0, dtype=torch.long))
 
     @staticmethod
+    def not_looked() -> "Draft":
+        """An empty draft from a drafter that chose not to look this step (``auto``
+        resting): to the engine the drafter was not asked -- the step neither counts as a
+        draft refused nor times the drafter."""
+        return NOT_LOOKED
+
+    @staticmethod
     def of(tokens: list[int], parents: list[int] | None = None, match_len: int = 0,
            **fields) -> "Draft":
         """A deterministic draft from lists: a chain when ``parents`` is None."""
@@ -277,3 +284,6 @@ def close_drafter(drafter: Drafter, ctx: DraftContext) -> None:
     close = hook(drafter, "close")
     if close is not None:
         close(ctx)
+
+
+NOT_LOOKED = Draft(torch.empty(0, dtype=torch.long))  # ``Draft.not_looked``

@@ -555,7 +555,7 @@ class Engine:
             seq = h.sequence
             t0 = time.perf_counter()
             draft = seq.propose(k)  # k = 0: the drafter is not consulted this pass
-            if k > 0:
+            if seq.asked:  # consulted, and it looked (``Draft.not_looked``)
                 seconds = time.perf_counter() - t0
                 drafting_s += seconds
                 self.scheduler.observe_propose(h.request.method, seconds)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nodraft.drafters.base import Draft, DraftContext, Drafter, close_drafter, hook
+from nodraft.drafters.base import NOT_LOOKED, Draft, DraftContext, Drafter, close_drafter, hook
 from nodraft.drafters.none import NoDraft
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.packed import Segment, head_rows
@@ -195,12 +195,9 @@ class Sequence:
         """The drafter's draft for this step, within ``budget()`` and ``limit`` (the
         scheduler's share under batching; 0 = do not draft this step)."""
         budget = self.budget() if limit is None else min(limit, self.budget())
-        self.asked = budget > 0  # whether the drafter is asked this step
-        if budget == 0:  # not consulted: a drafter may name who that pass belongs to
-            if self._idle_draft is None:  # a frozen Draft: one per sequence serves every step
-                self._idle_draft = dataclasses.replace(
-                    Draft.empty(), method=hook(self.drafter, "idle_method"))
-            return self._idle_draft
+        self.asked = budget > 0  # whether the drafter is asked this step (and looks)
+        if budget == 0:  # not consulted
+            return self._idle()
         t0 = time.perf_counter()
         try:
             draft = self.drafter.propose(self.ctx, budget)
@@ -210,12 +207,23 @@ class Sequence:
         finally:
             if self._timed:
                 self._draft_s += time.perf_counter() - t0
+        if draft is NOT_LOOKED:  # the drafter chose not to look: as if not consulted
+            self.asked = False
+            return self._idle()
         if len(draft) > budget:
             draft = draft.prefix(budget)
         room = self.cache.max_len - len(self.tokens) - len(draft)  # rows left for aux
         if draft.n_aux and (draft.n_aux > room or draft.reuse is not None):
             draft = dataclasses.replace(draft, aux=None)
         return draft
+
+    def _idle(self) -> Draft:
+        """The empty draft of a step the drafter was not consulted at: a drafter may name
+        who that pass belongs to (``idle_method``)."""
+        if self._idle_draft is None:  # a frozen Draft: one per sequence serves every step
+            self._idle_draft = dataclasses.replace(
+                Draft.empty(), method=hook(self.drafter, "idle_method"))
+        return self._idle_draft
 
     def block(self, draft: Draft) -> tuple[Tensor, Tensor, Tensor | None]:
         """The verification block [current, *draft, *aux]: ids (T,), positions (T,), and

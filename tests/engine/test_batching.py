@@ -370,6 +370,63 @@ def test_a_drafter_asked_that_sends_nothing_counts_as_a_rejection():
     assert seen.count((1, 0)) == len(seen) - 4 and seen.count((0, 0)) == 4
 
 
+def test_a_drafter_that_did_not_look_is_neither_refused_nor_timed():
+    """A drafter that answers ``Draft.not_looked()`` (``auto`` resting) was, to the plan,
+    not asked: no rejection recorded, no drafting time, and its step is its idle method's."""
+    from nodraft.drafters.base import Draft, DrafterBase
+
+    class Resting(DrafterBase):
+        name = "resting"
+        idle_method = "none"
+
+        def propose(self, ctx, budget):
+            return Draft.not_looked()
+
+    class Asked(DraftEverything):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[tuple[int, int]] = []
+            self.timed: list[str] = []
+
+        def observe(self, state, drafted_depth, accepted):
+            self.seen.append((drafted_depth, accepted))
+            super().observe(state, drafted_depth, accepted)
+
+        def observe_propose(self, method, seconds):
+            self.timed.append(method)
+            super().observe_propose(method, seconds)
+
+    engine = float64_engine(max_running=2)
+    engine.registry.register("resting", Resting)
+    engine.scheduler = Asked()
+    reqs = [GenerationRequest("micro", [1 + i, 2, 3, 4], 6, method="resting",
+                              params=Resting.Params(),
+                              sampling=SamplingParams(temperature=0.8, seed=i))
+            for i in range(2)]
+    methods: list[str] = []
+    ends: list[str] = []
+    both = threading.Event()
+
+    def ended(ev):
+        if ev.kind == "step":
+            methods.append(ev.step.method)
+        if ev.kind in ("finish", "error"):
+            ends.append(ev.kind)
+            if len(ends) == 2:
+                both.set()
+
+    for r in reqs:
+        engine.submit(r, ended)
+    engine.start()
+    try:
+        assert both.wait(60) and ends == ["finish", "finish"]
+    finally:
+        engine.stop()
+    assert engine.scheduler.seen and set(engine.scheduler.seen) == {(0, 0)}
+    assert engine.scheduler.timed == []
+    assert set(methods) == {"none"}
+
+
 def test_a_sampled_kind_probes_less_often_with_a_drafter_slow_to_ask():
     """A probe's price counts the asking time for a sampled kind; a greedy kind's probe
     is priced at its drafted block alone (a loop can begin at any step)."""
