@@ -160,7 +160,7 @@ class Auto(DrafterBase):
         self.rest = 0  # steps left not to ask at (``propose``)
         self.pause = 0  # the last rest's length
         self.copies_pay: set[tuple] = set()  # keys believed at least COPIES_PAY
-        self.asked = False  # whether a step has asked the candidates yet
+        self.seeded = False  # copies_pay has the server's beliefs (the first asked step)
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
@@ -277,8 +277,8 @@ class Auto(DrafterBase):
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
         reg = self.reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
-        if not self.asked:  # the first step asked: where the server's copies pay, so do ours
-            self.asked = True
+        if not self.seeded:  # the first step asked: where the server's copies pay, so do ours
+            self.seeded = True
             self.copies_pay.update(k for k, g in self.global_est.items()
                                    if k[2] == reg and g.alpha >= COPIES_PAY)
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none

@@ -319,88 +319,32 @@ def test_a_chain_drafters_plan_is_bounded_by_its_own_longest_draft():
         assert engine._sequence(handle, 0).max_draft == want
 
 
-def test_a_drafter_asked_that_sends_nothing_counts_as_a_rejection():
-    """Asked for a draft in a packed pass and sending none, a sampled sequence's drafter
-    gained nothing from being asked (and its asking cost time): the plan's belief records
-    a draft rejected at its first token, so a sequence whose drafter finds nothing stops
-    being asked. (Greedy sequences are not: a loop can begin at any step.)"""
-    from nodraft.drafters.base import Draft, DrafterBase
+class Recording(DraftEverything):
+    """A plan that drafts for everyone and records what it is told: each step's (drafted
+    depth, accepted) and each timed asking's method."""
 
-    class Nothing(DrafterBase):
-        name = "nothing"
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[int, int]] = []
+        self.timed: list[str] = []
 
-        def propose(self, ctx, budget):
-            return Draft.empty()
+    def observe(self, state, drafted_depth, accepted):
+        self.seen.append((drafted_depth, accepted))
+        super().observe(state, drafted_depth, accepted)
 
-    class Asked(DraftEverything):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[tuple[int, int]] = []
+    def observe_propose(self, method, seconds):
+        self.timed.append(method)
+        super().observe_propose(method, seconds)
 
-        def observe(self, state, drafted_depth, accepted):
-            self.seen.append((drafted_depth, accepted))
-            super().observe(state, drafted_depth, accepted)
 
+def _two_sampled(drafter) -> tuple[Recording, list[str]]:
+    """Two sampled requests decoded with ``drafter`` (a class), both waiting before the
+    engine starts, so every step is a packed one: (the plan, every step's method)."""
     engine = float64_engine(max_running=2)
-    engine.registry.register("nothing", Nothing)
-    engine.scheduler = Asked()
-    reqs = [GenerationRequest("micro", [1 + i, 2, 3, 4], 6, method="nothing",
-                              params=Nothing.Params(),
-                              sampling=SamplingParams(temperature=0.8, seed=i))
-            for i in range(2)]
-    ends: list[str] = []
-    both = threading.Event()
-
-    def ended(ev):
-        if ev.kind in ("finish", "error"):
-            ends.append(ev.kind)
-            if len(ends) == 2:
-                both.set()
-
-    for r in reqs:  # both waiting before the engine starts: every step is a packed one
-        engine.submit(r, ended)
-    engine.start()
-    try:
-        assert both.wait(60) and ends == ["finish", "finish"]
-    finally:
-        engine.stop()
-    seen = engine.scheduler.seen
-    # every step but each sequence's first (the prompt's prefill gives the first token) and
-    # last (no room left for a draft) asked, and was refused
-    assert seen.count((1, 0)) == len(seen) - 4 and seen.count((0, 0)) == 4
-
-
-def test_a_drafter_that_did_not_look_is_neither_refused_nor_timed():
-    """A drafter that answers ``Draft.not_looked()`` (``auto`` resting) was, to the plan,
-    not asked: no rejection recorded, no drafting time, and its step is its idle method's."""
-    from nodraft.drafters.base import Draft, DrafterBase
-
-    class Resting(DrafterBase):
-        name = "resting"
-        idle_method = "none"
-
-        def propose(self, ctx, budget):
-            return Draft.not_looked()
-
-    class Asked(DraftEverything):
-        def __init__(self):
-            super().__init__()
-            self.seen: list[tuple[int, int]] = []
-            self.timed: list[str] = []
-
-        def observe(self, state, drafted_depth, accepted):
-            self.seen.append((drafted_depth, accepted))
-            super().observe(state, drafted_depth, accepted)
-
-        def observe_propose(self, method, seconds):
-            self.timed.append(method)
-            super().observe_propose(method, seconds)
-
-    engine = float64_engine(max_running=2)
-    engine.registry.register("resting", Resting)
-    engine.scheduler = Asked()
-    reqs = [GenerationRequest("micro", [1 + i, 2, 3, 4], 6, method="resting",
-                              params=Resting.Params(),
+    engine.registry.register(drafter.name, drafter)
+    engine.scheduler = Recording()
+    reqs = [GenerationRequest("micro", [1 + i, 2, 3, 4], 6, method=drafter.name,
+                              params=drafter.Params(),
                               sampling=SamplingParams(temperature=0.8, seed=i))
             for i in range(2)]
     methods: list[str] = []
@@ -422,8 +366,43 @@ def test_a_drafter_that_did_not_look_is_neither_refused_nor_timed():
         assert both.wait(60) and ends == ["finish", "finish"]
     finally:
         engine.stop()
-    assert engine.scheduler.seen and set(engine.scheduler.seen) == {(0, 0)}
-    assert engine.scheduler.timed == []
+    return engine.scheduler, methods
+
+
+def test_a_drafter_asked_that_sends_nothing_counts_as_a_rejection():
+    """Asked for a draft in a packed pass and sending none, a sampled sequence's drafter
+    gained nothing from being asked (and its asking cost time): the plan's belief records
+    a draft rejected at its first token, so a sequence whose drafter finds nothing stops
+    being asked. (Greedy sequences are not: a loop can begin at any step.)"""
+    from nodraft.drafters.base import Draft, DrafterBase
+
+    class Nothing(DrafterBase):
+        name = "nothing"
+
+        def propose(self, ctx, budget):
+            return Draft.empty()
+
+    seen = _two_sampled(Nothing)[0].seen
+    # every step but each sequence's first (the prompt's prefill gives the first token) and
+    # last (no room left for a draft) asked, and was refused
+    assert seen.count((1, 0)) == len(seen) - 4 and seen.count((0, 0)) == 4
+
+
+def test_a_drafter_that_did_not_look_is_neither_refused_nor_timed():
+    """A drafter that answers ``Draft.not_looked()`` (``auto`` resting) was, to the plan,
+    not asked: no rejection recorded, no drafting time, and its step is its idle method's."""
+    from nodraft.drafters.base import Draft, DrafterBase
+
+    class Resting(DrafterBase):
+        name = "resting"
+        idle_method = "none"
+
+        def propose(self, ctx, budget):
+            return Draft.not_looked()
+
+    plan, methods = _two_sampled(Resting)
+    assert plan.seen and set(plan.seen) == {(0, 0)}
+    assert plan.timed == []
     assert set(methods) == {"none"}
 
 
