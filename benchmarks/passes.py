@@ -6,11 +6,13 @@
 One sequence, ``--context`` cached rows, a verification pass (``Micro.verify_pass``) over
 a block of each size: eager micro and the compiled graphs (micro/compiled.py, compiled
 before timing), these twice where nodraft's product builds: multiplying with ``torch.mm``
-and with ``nodraft::mm`` (micro/gemm.py). Runs of 20 identical passes alternate, size by
-size and mode by mode (a decode loop repeats one kind of pass, so its weights stay in
-cache); each figure is the median of ``--repeats`` passes. Reported: microseconds per
+and with ``nodraft::mm`` (micro/gemm.py); and there the pass in one call,
+``nodraft::block`` (micro/csrc/block.cpp), what a lone sequence runs where it serves.
+Runs of 20 identical passes alternate, size by size and mode by mode (a decode loop
+repeats one kind of pass, so its weights stay in cache); each figure is the median of ``--repeats`` passes. Reported: microseconds per
 pass, each size's cost in 1-row passes of the same mode (the curve an adaptive draft
-length has to know), compiled over eager, and nodraft::mm over torch.mm.
+length has to know), compiled over eager, nodraft::mm over torch.mm, and nodraft::block
+over the graph with nodraft::mm.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
@@ -41,7 +43,8 @@ def measure(model_name: str, rows: list[int], context: int, repeats: int) -> dic
     models = {"eager": load_model(model_name),
               "compiled": load_model(model_name).compile(gemm="torch")}
     if gemm.load():  # nodraft's product, where it builds (micro/gemm.py)
-        models["compiled_nodraft_mm"] = load_model(model_name).compile(gemm="auto")
+        models["compiled_nodraft_mm"] = load_model(model_name).compile(gemm="auto", block=False)
+        models["block"] = load_model(model_name).compile(gemm="auto")
     eager = models["eager"]
     cache = KVCache(eager.config, 1)
     prompt = torch.randint(0, eager.config.vocab_size, (context,),
@@ -76,12 +79,14 @@ def measure(model_name: str, rows: list[int], context: int, repeats: int) -> dic
         row["compiled_over_eager"] = med["compiled"][r] / med["eager"][r]
         if "compiled_nodraft_mm" in models:
             row["nodraft_mm_over_torch_mm"] = med["compiled_nodraft_mm"][r] / med["compiled"][r]
+        if "block" in models:
+            row["block_over_graph"] = med["block"][r] / med["compiled_nodraft_mm"][r]
         out.append(row)
     return {"compile_seconds": compile_s, "modes": list(models), "rows": out}
 
 
 LABELS = {"eager": "eager", "compiled": "compiled (torch.mm)",
-          "compiled_nodraft_mm": "compiled (nodraft::mm)"}
+          "compiled_nodraft_mm": "compiled (nodraft::mm)", "block": "nodraft::block"}
 
 
 def render(result: dict) -> str:
@@ -90,6 +95,8 @@ def render(result: dict) -> str:
             + [f"{LABELS[m]}, in 1-row passes" for m in modes] + ["compiled (torch.mm) / eager"])
     if "compiled_nodraft_mm" in modes:
         head.append("nodraft::mm / torch.mm")
+    if "block" in modes:
+        head.append("nodraft::block / compiled (nodraft::mm)")
     lines = [f"Command: `{result['command']}` ({result['machine']}; compiling took "
              f"{result['compile_seconds']:.0f} s, untimed)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -99,6 +106,8 @@ def render(result: dict) -> str:
                  + [f"{r['compiled_over_eager']:.2f}"])
         if "compiled_nodraft_mm" in modes:
             cells.append(f"{r['nodraft_mm_over_torch_mm']:.2f}")
+        if "block" in modes:
+            cells.append(f"{r['block_over_graph']:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

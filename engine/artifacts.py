@@ -54,7 +54,7 @@ log = logging.getLogger("nodraft.artifacts")
 ROOT = Path(__file__).resolve().parents[1]
 # the code that defines the graphs and how they are saved: any change rebuilds them
 CODE = ("micro/compiled.py", "micro/model.py", "micro/ops.py", "micro/gemm.py",
-        "micro/csrc/gemm.cpp", "micro/csrc/attend.cpp", "micro/csrc/simd.h",
+        "micro/csrc/gemm.cpp", "micro/csrc/gemm.h", "micro/csrc/attend.cpp", "micro/csrc/simd.h",
         "drafters/eagle/head.py", "drafters/eagle/compiled.py")
 VERSION = 2  # of this layout and of how graphs are saved: a change rebuilds them
 

@@ -269,6 +269,10 @@ class Engine:
         for name, model in self.models.items():
             if model.compiled is None or self._stop or not self._accepting:
                 continue
+            # nodraft's one-call pass for lone sequences, from the library the build left
+            # (loaded with the graphs where any was saved; a cache of one slot has none)
+            self.between_requests()
+            model.compiled.block_serves(compile=True)
             scratch = self._scratch(name)
             self.between_requests()
             model.compiled.warm_up(scratch, 0, compile=False)

@@ -120,7 +120,7 @@ class CompiledPasses:
     and the rest run eager (the server: no request waits on a compiler).
     """
 
-    def __init__(self, model, lazy: bool = True, gemm: str | None = None):
+    def __init__(self, model, lazy: bool = True, gemm: str | None = None, block: bool = True):
         configure_dynamo()
         self.model = model
         # called before each saved graph is loaded, here and by the drafters' graphs that
@@ -135,6 +135,10 @@ class CompiledPasses:
         self._slots: dict[tuple[int, int, int], tuple] = {}  # a slot's K/V views per range
         self._wt: dict[str, Tensor] | None = None  # transposed_weights, built at first compile
         self._wt_mm: dict[str, Tensor] | None = None  # the same as the product reads them
+        # whether nodraft::block runs run()'s passes (None: not decided; ``block=False``:
+        # never, the graphs only)
+        self._block: bool | None = None if block else False
+        self._block_args: dict[tuple[int, int, bool], tuple[list, list]] = {}
         self.compile_seconds = 0.0
         self.precompiled = Precompiled()  # graphs built ahead of time (``load``, ``export_to``)
         self.artifacts: Path | None = None  # the folder they were loaded from (drafters' too)
@@ -205,6 +209,44 @@ class CompiledPasses:
         """Where a family compiled from now on is saved too (an artifact build)."""
         self.precompiled.export_to = None if folder is None else Path(folder)
 
+    def block_serves(self, compile: bool | None = None) -> bool:
+        """Whether ``nodraft::block`` (csrc/block.cpp) runs this model's one-sequence passes
+        (``run``, ``prefill``): nodraft's product chosen (``gemm``) and its library loaded,
+        float32 weights, heads of an even width up to 128. Decided at the first call that
+        finds the library loaded, or, where compiling is allowed (``compile``, else
+        ``lazy``), loads it; until then False (a server's engine never builds it: its
+        artifact build does, and the engine loads it with the compiled graphs)."""
+        if self._block is None:
+            if not (gemm.loaded() or (self.lazy if compile is None else compile)):
+                return False
+            c = self.model.config
+            self._block = (gemm.choose(self.gemm) == "nodraft"
+                           and self.model.tok_embeddings.weight.dtype == torch.float32
+                           and c.head_dim % 2 == 0 and 2 <= c.head_dim <= 128)
+            if self._block:
+                self._weights()
+        return self._block
+
+    def _run_block(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int,
+                   start: int, mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None]:
+        args = self._block_args.get((lo, hi, head))
+        if args is None:
+            wt, m = self._product_weights(), self.model
+            norms, mats = [], []
+            for i in range(lo, hi):
+                layer = m.layers[i]
+                norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
+                mats += [wt[f"{i}.{n}.weight"] for n in ("attention.wqkv", "attention.wo",
+                                                         "feed_forward.w13", "feed_forward.w2")]
+            if head:
+                norms.append(m.norm.weight.detach())
+                mats.append(wt["head"])
+            args = self._block_args[(lo, hi, head)] = (norms, mats)
+        out, logits = torch.ops.nodraft.block.default(
+            h, pos, self.model.rope_cos, self.model.rope_sin, args[0], args[1], cache.k, cache.v,
+            slot, start, lo, mask, self.model.config.norm_eps)
+        return out, (logits if head else None)
+
     def causal(self, T: int, dtype: torch.dtype) -> Tensor:
         """The additive causal mask (T, T); kept for blocks of drafts' sizes, made for
         longer ones (a prompt's chunk)."""
@@ -227,6 +269,9 @@ class CompiledPasses:
         a family not compiled yet compiles now (None: ``lazy``) -- the warm-up passes True
         for its own calls only, so a request served meanwhile on another thread never
         compiles."""
+        if self.block_serves(compile) and cache.k.dtype == torch.float32 \
+                and cache.k.is_contiguous() and cache.v.is_contiguous():
+            return self._run_block(h, pos, lo, hi, cache, slot, start, mask, head)
         T = h.shape[0]
         if start < MIN_CONTEXT:
             return None
@@ -275,7 +320,7 @@ class CompiledPasses:
         chunk): the full pass's graph, without the head (``run``). ``compile`` as in
         ``run``."""
         T = h.shape[0]
-        if start > 0:
+        if start > 0 or self.block_serves(compile):
             got = self.run(h, torch.arange(start, start + T), 0, self.model.config.n_layers,
                            cache, slot, start, None, False, compile)
             return None if got is None else got[0]

@@ -51,8 +51,9 @@ log = logging.getLogger("nodraft.gemm")
 SOURCE = Path(__file__).with_name("csrc") / "gemm.cpp"
 # built with it, into the same library: seeded sampling's race (engine/sampling.py) and
 # the packed passes' attention for one-row blocks (micro/compiled.py)
-SOURCES = (SOURCE, SOURCE.with_name("race.cpp"), SOURCE.with_name("attend.cpp"))
-HEADERS = (SOURCE.with_name("simd.h"),)
+SOURCES = (SOURCE, SOURCE.with_name("race.cpp"), SOURCE.with_name("attend.cpp"),
+           SOURCE.with_name("block.cpp"))
+HEADERS = (SOURCE.with_name("simd.h"), SOURCE.with_name("gemm.h"))
 
 
 def _digest() -> str:
@@ -138,6 +139,11 @@ def load() -> bool:
             if not ok:
                 log.warning("nodraft::mm unavailable (%s); the compiled passes use torch.mm", why)
         return bool(_state["loaded"])
+
+
+def loaded() -> bool:
+    """Whether ``load()`` has run in this process and the library serves (never builds)."""
+    return _state.get("loaded") is True
 
 
 def unit() -> str | None:

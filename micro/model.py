@@ -213,17 +213,21 @@ class Micro(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def compile(self, enabled: bool = True, lazy: bool = True,
-                gemm: str | None = None) -> "Micro":
-        """Route one-sequence cache passes (``verify_pass``, ``forward`` and ``run_layers``
-        with a cache) through ``torch.compile`` graphs (micro/compiled.py); ``enabled=False``
-        goes back to eager. ``lazy``: a graph compiles on its first pass; otherwise only
-        after ``self.compiled.warm_up`` (until then eager). ``gemm``: the graphs' matrix
-        product, 'auto' (nodraft's kernel where it loads) or 'torch' (micro/gemm.py;
-        default ``NODRAFT_GEMM``, else 'auto'). Graphs built ahead of time load with
-        ``self.compiled.load`` (engine/artifacts.py)."""
+                gemm: str | None = None, block: bool = True) -> "Micro":
+        """Route one-sequence cache passes (``verify_pass``, ``prefill_pass``, ``forward``
+        and ``run_layers`` with a cache) through nodraft's one-call pass
+        (``nodraft::block``, micro/csrc/block.cpp) where it serves, else through
+        ``torch.compile`` graphs (micro/compiled.py); ``enabled=False`` goes back to eager.
+        ``lazy``: a graph compiles (and nodraft's library builds) on its first pass;
+        otherwise only after ``self.compiled.warm_up`` (until then eager). ``gemm``: the
+        matrix product, 'auto' (nodraft's kernel where it loads) or 'torch' (micro/gemm.py;
+        default ``NODRAFT_GEMM``, else 'auto'; 'torch' leaves the one-sequence passes to
+        the graphs). ``block=False``: the graphs only (what a CPU without nodraft's kernels
+        runs; the tests and benchmarks compare the two). Graphs built ahead of time load
+        with ``self.compiled.load`` (engine/artifacts.py)."""
         from nodraft.micro.compiled import CompiledPasses
 
-        self.compiled = CompiledPasses(self, lazy, gemm) if enabled else None
+        self.compiled = CompiledPasses(self, lazy, gemm, block) if enabled else None
         return self
 
     def num_params(self) -> int:

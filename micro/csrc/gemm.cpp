@@ -25,6 +25,9 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+
+#include "gemm.h"
 #include "simd.h"
 
 namespace {
@@ -144,32 +147,19 @@ void column(const float* a, int64_t M, int64_t K, const float* b, int64_t ldb, f
 }
 #endif
 
-at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
-  const bool packed = b_in.dim() == 3;
-  TORCH_CHECK(a_in.dim() == 2 && (b_in.dim() == 2 || packed) &&
-                  a_in.size(1) == b_in.size(packed ? 1 : 0),
-              "nodraft::mm: expected (M, K) @ (K, N), got ", a_in.sizes(), " @ ", b_in.sizes());
+}  // namespace
+
+namespace nodraft_kernels {
+
+void gemm(const float* pa, int64_t M, int64_t K, const float* pb, int64_t N, bool packed,
+          float* pc) {
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    std::fill(pc, pc + M * N, 0.0f);
+    return;
+  }
 #ifdef __AVX512F__
-  TORCH_CHECK(!packed, "nodraft::mm: packed weights are the AVX2 build's (micro/gemm.py, pack)");
-#else
-  TORCH_CHECK(!packed || b_in.size(2) == W, "nodraft::mm: a packed weight is (N / ", W,
-              ", K, ", W, "), got ", b_in.sizes());
-  if (packed && (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat))
-    return at::mm(a_in, b_in.permute({1, 0, 2}).reshape({b_in.size(1), -1}));
-#endif
-  if (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat)
-    return at::mm(a_in, b_in);
-  const at::Tensor a = a_in.contiguous();
-  const at::Tensor b = b_in.contiguous();
-  const int64_t M = a.size(0), K = a.size(1);
-  const int64_t N = packed ? b.size(0) * b.size(2) : b.size(1);
-  at::Tensor c = at::empty({M, N}, a.options());
-  if (M == 0 || N == 0) return c;
-  if (K == 0) return c.zero_();
-  const float* pa = a.data_ptr<float>();
-  const float* pb = b.data_ptr<float>();
-  float* pc = c.data_ptr<float>();
-#ifdef __AVX512F__
+  (void)packed;
   const int64_t blocks = (N + 63) / 64;
   // at least ~256K multiply-adds per task: small products stay on the calling thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * 64));
@@ -201,6 +191,34 @@ at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
     }
   });
 #endif
+}
+
+}  // namespace nodraft_kernels
+
+namespace {
+
+at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
+  const bool packed = b_in.dim() == 3;
+  TORCH_CHECK(a_in.dim() == 2 && (b_in.dim() == 2 || packed) &&
+                  a_in.size(1) == b_in.size(packed ? 1 : 0),
+              "nodraft::mm: expected (M, K) @ (K, N), got ", a_in.sizes(), " @ ", b_in.sizes());
+#ifdef __AVX512F__
+  TORCH_CHECK(!packed, "nodraft::mm: packed weights are the AVX2 build's (micro/gemm.py, pack)");
+#else
+  TORCH_CHECK(!packed || b_in.size(2) == 16, "nodraft::mm: a packed weight is (N / 16, K, 16), got ",
+              b_in.sizes());
+  if (packed && (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat))
+    return at::mm(a_in, b_in.permute({1, 0, 2}).reshape({b_in.size(1), -1}));
+#endif
+  if (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat)
+    return at::mm(a_in, b_in);
+  const at::Tensor a = a_in.contiguous();
+  const at::Tensor b = b_in.contiguous();
+  const int64_t M = a.size(0), K = a.size(1);
+  const int64_t N = packed ? b.size(0) * b.size(2) : b.size(1);
+  at::Tensor c = at::empty({M, N}, a.options());
+  nodraft_kernels::gemm(a.data_ptr<float>(), M, K, b.data_ptr<float>(), N, packed,
+                        c.data_ptr<float>());
   return c;
 }
 

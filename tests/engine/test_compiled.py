@@ -1,5 +1,6 @@
-"""Compiled passes (micro/compiled.py): the same numbers as eager micro up to float
-rounding, the KV rows written where eager writes them, short contexts and cold families
+"""Compiled passes (micro/compiled.py), the graphs (``block=False``: what serves where
+nodraft's one-call pass does not, tests/micro/test_block.py): the same numbers as eager
+micro up to float rounding, the KV rows written where eager writes them, short contexts and cold families
 eager, and a failed warm-up serving eager. The invariant with every pass compiled --
 speculative greedy equal to plain greedy for every drafter and parameter set -- is checked
 on the graphs a server builds and loads (tests/server/test_server_compiled.py), which are
@@ -20,7 +21,7 @@ from nodraft.engine.sequence import tree_attention_mask
 def pair(checkpoint_dir):
     """micro-layerskip eager and compiled (one compile per family for the module)."""
     eager = load_model("micro-layerskip", checkpoint_dir)
-    compiled = load_model("micro-layerskip", checkpoint_dir).compile()
+    compiled = load_model("micro-layerskip", checkpoint_dir).compile(block=False)
     return eager, compiled
 
 
@@ -133,7 +134,7 @@ def test_the_compiled_prefill_past_a_prefix_matches_eager(pair, T):
 
 
 def test_short_contexts_and_cold_families_run_eager(checkpoint_dir):
-    model = load_model("micro", checkpoint_dir).compile(lazy=False)
+    model = load_model("micro", checkpoint_dir).compile(lazy=False, block=False)
     cache, _ = _prefilled(model, 20)
     x = torch.zeros(1, 160)
     run = model.compiled.run
@@ -197,7 +198,7 @@ def test_after_the_warm_up_no_pass_compiles(checkpoint_dir):
     # count is part of dynamo's guards, and per thread)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = load_model("micro", checkpoint_dir).compile(lazy=False)
+    model = load_model("micro", checkpoint_dir).compile(lazy=False, block=False)
     try:
         model.compiled.warm_up(KVCache(model.config, 2), 0, early_exit=False)
     finally:
@@ -305,7 +306,7 @@ def test_packed_passes_match_eager(checkpoint_dir):
     from nodraft.micro.packed import forward_packed
 
     eager = load_model("micro", checkpoint_dir)
-    compiled = load_model("micro", checkpoint_dir).compile()  # lazy: compiles as it goes
+    compiled = load_model("micro", checkpoint_dir).compile(block=False)  # lazy: compiles as it goes
     ce, cc = KVCache(eager.config, 5, 64), KVCache(eager.config, 5, 64)
     ops = set()
     for want_batch, got_batch in zip(_packed_batches(eager, ce), _packed_batches(eager, cc)):

@@ -1,0 +1,213 @@
+"""nodraft::block (micro/csrc/block.cpp), the one-call pass of a lone sequence: eager micro's
+numbers up to float rounding for every pass the engine runs (a decode step, chains and
+trees, early exit's ranges, prompts from an empty slot and past a prefix, on both
+checkpoints and any head width it takes); batch-invariant bit for bit (a token alone, or
+behind drafts, or on an accepted tree path, gives the same logits); its inputs checked;
+and where it serves (``CompiledPasses.block_serves``)."""
+
+import pytest
+import torch
+
+from nodraft.engine.sequence import tree_attention_mask
+from nodraft.micro import gemm
+from nodraft.micro.checkpoint import load_model
+from nodraft.micro.model import KVCache, Micro, MicroConfig
+from nodraft.micro.ops import additive_mask
+
+pytestmark = pytest.mark.skipif(not gemm.load(), reason=f"nodraft's kernels unavailable: {gemm.why()}")
+
+TOL = dict(rtol=1e-4, atol=2e-4)
+
+
+@pytest.fixture(scope="module", params=["micro", "micro-layerskip"])
+def pair(request, checkpoint_dir):
+    eager = load_model(request.param, checkpoint_dir)
+    fast = load_model(request.param, checkpoint_dir).compile()
+    assert fast.compiled.block_serves()
+    return eager, fast
+
+
+def _prefilled(model, n: int, slots: int = 3, seed: int = 0) -> KVCache:
+    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
+    cache = KVCache(model.config, slots)
+    with torch.inference_mode():
+        model(ids[None], cache=cache, slot=1, start=0)
+    cache.set_length(1, n)
+    return cache
+
+
+def _ops(fn) -> set[str]:
+    with torch.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.parametrize("T, tree", [(1, False), (3, False), (3, True), (6, False), (7, True)])
+def test_a_block_matches_eager(pair, T, tree):
+    eager, fast = pair
+    ce, cf = _prefilled(eager, 40), _prefilled(eager, 40)
+    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
+    pos, mask = None, None
+    if tree:
+        parents = [-1, 0, 1, -1, 3, 4] if T == 7 else [-1, -1]
+        mask = tree_attention_mask(torch.tensor(parents))
+        pos = 40 + torch.tensor([0, 1, 2, 3, 1, 2, 3] if T == 7 else [0, 1, 1])
+    le, he = eager.verify_pass(ids, ce, 1, 40, pos, mask)
+    ops = _ops(lambda: fast.verify_pass(ids, cf, 1, 40, pos, mask))
+    lf, hf = fast.verify_pass(ids, cf, 1, 40, pos, mask)
+    assert "nodraft::block" in ops and "aten::linear" not in ops  # one call, no eager layers
+    torch.testing.assert_close(lf, le, **TOL)
+    torch.testing.assert_close(hf, he, **TOL)
+    # its keys and values in rows [40, 40 + T) of slot 1, nothing else written
+    torch.testing.assert_close(cf.k, ce.k, **TOL)
+    torch.testing.assert_close(cf.v, ce.v, **TOL)
+    assert cf.k[:, 0].abs().sum() == 0 and cf.k[:, 1, :, 40 + T:].abs().sum() == 0
+
+
+def test_early_exit_ranges_match_eager(pair):
+    eager, fast = pair
+    ce, cf = _prefilled(eager, 30), _prefilled(eager, 30)
+    block = torch.tensor([11, 12, 13])
+    for E in (1, 3):
+        le, re = eager.exit_pass(block, ce, 1, 30, E)
+        lf, rf = fast.exit_pass(block, cf, 1, 30, E)
+        torch.testing.assert_close(lf, le, **TOL)
+        torch.testing.assert_close(rf, re, **TOL)
+        torch.testing.assert_close(fast.exit_residual(block, cf, 1, 30, E), re, **TOL)
+        fe, ge = eager.verify_from(re, ce, 1, 30, E)
+        ff, gf = fast.verify_from(re, cf, 1, 30, E)
+        torch.testing.assert_close(ff, fe, **TOL)
+        torch.testing.assert_close(gf, ge, **TOL)
+        torch.testing.assert_close(cf.k, ce.k, **TOL)
+
+
+@pytest.mark.parametrize("T, start", [(1, 0), (2, 0), (7, 0), (70, 0), (1, 20), (5, 20), (40, 20)])
+def test_a_prompt_matches_eager(pair, T, start):
+    eager, fast = pair
+    ce, cf = _prefilled(eager, start), _prefilled(eager, start)
+    ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
+    he = eager.prefill_pass(ids, ce, 1, start)
+    hf = fast.prefill_pass(ids, cf, 1, start)
+    torch.testing.assert_close(hf, he, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(cf.k, ce.k, **TOL)
+    torch.testing.assert_close(cf.v, ce.v, **TOL)
+    assert cf.k[:, 1, :, start + T:].abs().sum() == 0  # no scratch row written past it
+    nxt = torch.tensor([7])
+    torch.testing.assert_close(fast.verify_pass(nxt, cf, 1, start + T)[0],
+                               eager.verify_pass(nxt, ce, 1, start + T)[0], rtol=1e-4, atol=1e-3)
+
+
+def test_a_token_gives_the_same_bits_alone_behind_drafts_and_on_a_tree_path(pair):
+    """The contract that makes a lone sequence's speculative decoding equal its plain
+    decoding bit for bit: a row's logits do not depend on the rows verified with it."""
+    _, fast = pair
+    ids = torch.randint(0, 4096, (8,), generator=torch.Generator().manual_seed(5))
+    chain = _prefilled(fast, 25)
+    lc, hc = fast.verify_pass(ids[:6], chain, 1, 25)  # the token and five drafts
+    alone = _prefilled(fast, 25)
+    for t in range(6):  # one token a pass, each committed before the next
+        la, ha = fast.verify_pass(ids[t:t + 1], alone, 1, 25 + t)
+        assert torch.equal(la[0], lc[t]) and torch.equal(ha[0], hc[t])
+    # a tree: node 0 the current token; nodes 1, 3 a first draft; 2 under 1, 4 under 3
+    # (each draft's parent among the drafts, -1 the current token)
+    tree = tree_attention_mask(torch.tensor([-1, 0, -1, 2]))
+    tid = torch.stack([ids[0], ids[1], ids[2], ids[7], ids[2]])
+    pos = 25 + torch.tensor([0, 1, 2, 1, 2])
+    branchy = _prefilled(fast, 25)
+    lt, _ = fast.verify_pass(tid, branchy, 1, 25, pos, tree)
+    # path 0 -> 3 -> 4 accepted: its rows moved in place, the next token's pass sees them
+    branchy.move_rows(1, [25, 28, 29], 25)
+    path = _prefilled(fast, 25)
+    lp, _ = fast.verify_pass(torch.stack([ids[0], ids[7], ids[2]]), path, 1, 25)
+    for node, row in ((0, 0), (3, 1), (4, 2)):
+        assert torch.equal(lt[node], lp[row])
+    nxt = torch.tensor([9])
+    assert torch.equal(fast.verify_pass(nxt, branchy, 1, 28)[0],
+                       fast.verify_pass(nxt, path, 1, 28)[0])
+
+
+def test_other_widths_match_eager():
+    """Any head width the kernel takes (even, up to 128; here 16 and 24 wide, three and
+    two heads) and a width that is not a multiple of eight."""
+    for config in (MicroConfig(vocab_size=300, dim=48, n_layers=2, n_heads=3, ffn_dim=100,
+                               max_positions=64),
+                   MicroConfig(vocab_size=300, dim=36, n_layers=3, n_heads=3, ffn_dim=80,
+                               max_positions=64)):
+        torch.manual_seed(0)
+        eager = Micro(config)
+        fast = Micro(config)
+        fast.load_state_dict(eager.state_dict())
+        fast.compile()
+        ce, cf = KVCache(config, 2), KVCache(config, 2)
+        ids = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(1))
+        torch.testing.assert_close(fast.prefill_pass(ids[:12], cf, 1, 0),
+                                   eager.prefill_pass(ids[:12], ce, 1, 0), **TOL)
+        le, _ = eager.verify_pass(ids[12:16], ce, 1, 12)
+        lf, _ = fast.verify_pass(ids[12:16], cf, 1, 12)
+        assert fast.compiled.block_serves()
+        torch.testing.assert_close(lf, le, **TOL)
+
+
+def test_bad_inputs_are_refused_with_the_reason(pair):
+    _, fast = pair
+    cache = _prefilled(fast, 10)
+    c = fast.config
+    compiled = fast.compiled
+    h = torch.zeros(2, c.dim)
+    good = dict(pos=torch.tensor([10, 11]), lo=0, hi=c.n_layers, slot=1, start=10, mask=None)
+
+    def run(**kw):
+        a = {**good, **kw}
+        return compiled.run(h if "h" not in kw else kw["h"], a["pos"], a["lo"], a["hi"], cache,
+                            a["slot"], a["start"], a["mask"], True)
+
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run(start=cache.max_len - 1)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        run(slot=3)
+    with pytest.raises(RuntimeError, match="position 5000 outside the rotary tables"):
+        run(pos=torch.tensor([10, 5000]))
+    with pytest.raises(RuntimeError, match="mask must be"):
+        run(mask=torch.zeros(3, 3))
+    with pytest.raises(RuntimeError, match="not the width"):
+        run(h=torch.zeros(2, c.dim + 1))
+    assert run() is not None  # and still serves
+
+
+def test_where_it_serves(checkpoint_dir, monkeypatch):
+    model = load_model("micro", checkpoint_dir)
+    assert not model.compile(block=False).compiled.block_serves()
+    assert not model.compile(gemm="torch").compiled.block_serves()  # torch.mm everywhere
+    assert model.compile().compiled.block_serves()
+    # a server's engine (lazy=False) never builds the library on a request's path: until it
+    # is loaded (with the graphs), its passes run eager
+    monkeypatch.setattr(gemm, "loaded", lambda: False)
+    monkeypatch.setattr(gemm, "choose", lambda *a: pytest.fail("the library was asked for"))
+    model.compile(lazy=False)
+    assert not model.compiled.block_serves()
+    cache = _prefilled(model, 10)
+    assert model.compiled.run(torch.zeros(1, 160), torch.tensor([10]), 0, 4, cache, 1, 10, None,
+                              True) is None
+
+
+def test_a_lone_block_beside_prompt_chunks_runs_through_it(checkpoint_dir):
+    """``forward_packed``: what the packed graph does not take (one sequence's step beside
+    other prompts' chunks) goes through nodraft::block, not an eager pass."""
+    from nodraft.micro.packed import Segment, forward_packed
+
+    eager = load_model("micro", checkpoint_dir)
+    fast = load_model("micro", checkpoint_dir).compile()
+    ce, cf = _prefilled(eager, 12), _prefilled(eager, 12)
+    tree = tree_attention_mask(torch.tensor([-1, -1]))
+    batch = lambda: [Segment(1, 12, torch.tensor([4, 5, 6]), torch.tensor([12, 13, 13]), tree),  # noqa: E731
+                     Segment(2, 0, torch.arange(9), torch.arange(9), logits=False)]
+    want = forward_packed(eager, batch(), ce)
+    ops = _ops(lambda: forward_packed(fast, batch(), KVCache(eager.config, 3)))
+    got = forward_packed(fast, batch(), cf)
+    assert "nodraft::block" in ops and "aten::linear" not in ops
+    for (lw, hw), (lg, hg) in zip(want, got):
+        assert (lw is None) == (lg is None)
+        if lw is not None:
+            torch.testing.assert_close(lg, lw, **TOL)
+        torch.testing.assert_close(hg, hw, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(cf.k, ce.k, **TOL)
