@@ -4,7 +4,8 @@
                                [--threads 1] [--ttft-requests 15] [--out docs/peers.json]
 
 Needs the ``peers`` extra (``pip install -e '.[peers]'``: llama-cpp-python with its server,
-transformers); never a CI dependency. micro is exported once to GGUF (``nodraft
+transformers); never a CI dependency. Without llama-cpp-python its two systems are left
+out (the run says so, and the JSON's ``llama_cpp_python`` is null). micro is exported once to GGUF (``nodraft
 export-gguf``, f32 and q8_0) and to Hugging Face (``nodraft export-hf``, micro and
 micro-layerskip), and every system runs the same weights, ``--threads`` threads each:
 
@@ -615,7 +616,12 @@ def markdown(d: dict) -> str:
 
 
 async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
-    import llama_cpp
+    try:  # optional: without it, its two systems are left out and the run says so
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+        print("llama-cpp-python is not installed: its in-process and server runs are left "
+              "out", file=sys.stderr, flush=True)
 
     from nodraft.micro.export import export as export_hf
     from nodraft.micro.gguf import export as export_gguf
@@ -631,7 +637,8 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
         "command": "python benchmarks/peers.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"), "cpus": len(cores), "machine": platform.machine(),
         "threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
-        "temperature_sampled": TEMPERATURE, "llama_cpp_python": llama_cpp.__version__}
+        "temperature_sampled": TEMPERATURE,
+        "llama_cpp_python": llama_cpp.__version__ if llama_cpp is not None else None}
     procs: list[subprocess.Popen] = []
     workers: dict[str, Worker] = {}
     try:
@@ -665,18 +672,20 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                     systems["llama-server-unstreamed"] = LlamaServer(f"http://127.0.0.1:{lport}", False)
                 waits.append((name, proc, log, f"http://127.0.0.1:{lport}", "/health"))
         results["llama_server_commands"] = llama_servers
-        lport = free_port()
-        lcp_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf["f32"]),
-                   "--host", "127.0.0.1", "--port", str(lport), "--n_threads", str(args.threads),
-                   "--n_threads_batch", str(args.threads), "--n_ctx", "1024",
-                   "--interrupt_requests", "False"]  # queue concurrent requests, as documented
-        proc, log = start(lcp_cmd, "llama-cpp-python-server")
-        procs.append(proc)
-        systems["llama-cpp-python-server"] = LlamaCppPythonServer(f"http://127.0.0.1:{lport}")
-        waits.append(("llama-cpp-python-server", proc, log, f"http://127.0.0.1:{lport}", "/v1/models"))
+        if llama_cpp is not None:
+            lport = free_port()
+            lcp_cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf["f32"]),
+                       "--host", "127.0.0.1", "--port", str(lport), "--n_threads",
+                       str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx",
+                       "1024", "--interrupt_requests", "False"]  # queue concurrent requests
+            proc, log = start(lcp_cmd, LCP_SERVER)
+            procs.append(proc)
+            systems[LCP_SERVER] = LlamaCppPythonServer(f"http://127.0.0.1:{lport}")
+            waits.append((LCP_SERVER, proc, log, f"http://127.0.0.1:{lport}", "/v1/models"))
         # workers (in process)
         workers["nodraft-in-process"] = Worker("engine", args, {"checkpoints": str(ck)})
-        workers["llama-cpp-python"] = Worker("llamacpp", args, {"gguf": str(gguf["f32"])})
+        if llama_cpp is not None:
+            workers["llama-cpp-python"] = Worker("llamacpp", args, {"gguf": str(gguf["f32"])})
         workers["transformers"] = Worker("hf", args, {"checkpoints": str(ck), "hf": hf})
         for name, proc, log, url, path in waits:
             if path is None:
@@ -742,6 +751,8 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                           ("drafters", "transformers", "micro", "prompt_lookup", key),
                           ("drafters", "transformers", "micro-layerskip", "none", key),
                           ("drafters", "transformers", "micro-layerskip", "early_exit", key)]
+
+        cases = [c for c in cases if c[1] in systems or c[1] in workers]  # what is installed
 
         def case_key(c, mode):
             part, system, model, method, key = c

@@ -259,6 +259,13 @@ class Engine:
         for model in self.models.values():
             if model.compiled is not None:
                 model.compiled.between_loads = self.between_requests
+        # nodraft's one-call pass for lone sequences first: its library loads in a second
+        # where built, and a first start's artifact build makes it before any graph (this
+        # waits on that build's lock, off the requests' thread), so lone sequences run at
+        # compiled speed minutes before the graphs are ready
+        for model in self.models.values():
+            if model.compiled is not None and not self._stop:
+                model.compiled.block_serves(compile=True)
         try:
             load()
         except Exception as e:  # the build failed: eager passes, and /health says why
@@ -269,10 +276,6 @@ class Engine:
         for name, model in self.models.items():
             if model.compiled is None or self._stop or not self._accepting:
                 continue
-            # nodraft's one-call pass for lone sequences, from the library the build left
-            # (loaded with the graphs where any was saved; a cache of one slot has none)
-            self.between_requests()
-            model.compiled.block_serves(compile=True)
             scratch = self._scratch(name)
             self.between_requests()
             model.compiled.warm_up(scratch, 0, compile=False)

@@ -145,7 +145,10 @@ class CompiledPasses:
 
     def _weights(self) -> dict[str, Tensor]:
         if self._wt is None:
-            self._wt = transposed_weights(self.model)
+            # in inference mode whoever asks first: a saved graph's guards compare its
+            # tensors' dispatch keys, and the graphs are built and run in that mode
+            with torch.inference_mode():
+                self._wt = transposed_weights(self.model)
             self.gemm_kind = gemm.choose(self.gemm)
         return self._wt
 
@@ -158,8 +161,9 @@ class CompiledPasses:
         """``transposed_weights`` laid out for the product in use (``gemm.pack``)."""
         if self._wt_mm is None:
             wt = self._weights()
-            self._wt_mm = ({k: gemm.pack(w) for k, w in wt.items()}
-                           if self.gemm_kind == "nodraft" else wt)
+            with torch.inference_mode():
+                self._wt_mm = ({k: gemm.pack(w) for k, w in wt.items()}
+                               if self.gemm_kind == "nodraft" else wt)
         return self._wt_mm
 
     def _core(self, lo: int, hi: int, head: bool, rows: bool = True):
@@ -214,17 +218,19 @@ class CompiledPasses:
         (``run``, ``prefill``): nodraft's product chosen (``gemm``) and its library loaded,
         float32 weights, heads of an even width up to 128. Decided at the first call that
         finds the library loaded, or, where compiling is allowed (``compile``, else
-        ``lazy``), loads it; until then False (a server's engine never builds it: its
-        artifact build does, and the engine loads it with the compiled graphs)."""
+        ``lazy``), loads it; until then False. A server's engine asks from its warm-up
+        thread (``Engine._load_all``), never from a request's pass, which runs eager until
+        it is decided."""
         if self._block is None:
             if not (gemm.loaded() or (self.lazy if compile is None else compile)):
                 return False
             c = self.model.config
-            self._block = (gemm.choose(self.gemm) == "nodraft"
-                           and self.model.tok_embeddings.weight.dtype == torch.float32
-                           and c.head_dim % 2 == 0 and 2 <= c.head_dim <= 128)
-            if self._block:
-                self._weights()
+            serves = (gemm.choose(self.gemm) == "nodraft"
+                      and self.model.tok_embeddings.weight.dtype == torch.float32
+                      and c.head_dim % 2 == 0 and 2 <= c.head_dim <= 128)
+            if serves:
+                self._product_weights()  # before another thread can see it decided
+            self._block = serves
         return self._block
 
     def _run_block(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int,
