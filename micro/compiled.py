@@ -233,8 +233,40 @@ class CompiledPasses:
             self._block = serves
         return self._block
 
-    def _run_block(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int,
-                   start: int, mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None]:
+    @torch.inference_mode()
+    def packed_block(self, segments: list, cache) -> list[tuple[Tensor | None, Tensor]] | None:
+        """ONE pass over several sequences' blocks (``micro.packed.Segment``s, any sizes,
+        prompts' chunks among them) through ``nodraft::packed_block``: per segment,
+        (logits (T, V) or None, final hidden (T, dim)), every block's keys and values
+        written to its rows. None where the operator does not serve (``block_serves``:
+        decided, never built here) or the cache is not the float32, contiguous one it
+        reads."""
+        if not (self._block and cache.k.dtype == torch.float32 and cache.k.is_contiguous()
+                and cache.v.is_contiguous()):
+            return None
+        L = self.model.config.n_layers
+        norms, mats = self._block_weights(0, L, True)
+        dtype = self.model.tok_embeddings.weight.dtype
+        ids = torch.cat([s.ids for s in segments])
+        pos = torch.cat([s.pos for s in segments])
+        masks = [None if s.mask is None else additive_mask(s.mask, dtype) for s in segments]
+        h, logits = torch.ops.nodraft.packed_block.default(
+            self.model.embed(ids), pos, self.model.rope_cos, self.model.rope_sin, norms, mats,
+            cache.k, cache.v, [len(s) for s in segments], [s.slot for s in segments],
+            [s.start for s in segments], masks, [int(s.logits) for s in segments], 0,
+            self.model.config.norm_eps)
+        out, o, r = [], 0, 0
+        for s in segments:
+            T = len(s)
+            lg = None
+            if s.logits:
+                lg, r = logits[r:r + T], r + T
+            out.append((lg, h[o:o + T]))
+            o += T
+        return out
+
+    def _block_weights(self, lo: int, hi: int, head: bool) -> tuple[list, list]:
+        """``nodraft::block``'s norms and matrices for layers [lo, hi) (and the head)."""
         args = self._block_args.get((lo, hi, head))
         if args is None:
             wt, m = self._product_weights(), self.model
@@ -248,6 +280,11 @@ class CompiledPasses:
                 norms.append(m.norm.weight.detach())
                 mats.append(wt["head"])
             args = self._block_args[(lo, hi, head)] = (norms, mats)
+        return args
+
+    def _run_block(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int,
+                   start: int, mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None]:
+        args = self._block_weights(lo, hi, head)
         out, logits = torch.ops.nodraft.block.default(
             h, pos, self.model.rope_cos, self.model.rope_sin, args[0], args[1], cache.k, cache.v,
             slot, start, lo, mask, self.model.config.norm_eps)
@@ -477,8 +514,9 @@ class CompiledPasses:
     def warm_up(self, cache, slot: int, early_exit: bool = True, compile: bool = True) -> float:
         """Compile every family a request can reach on ``cache`` (whose ``slot`` must be
         free: its rows past the committed length are written): full passes of one row and
-        of several, with ``early_exit`` each exit's draft and verification ranges, and the
-        prefill.
+        of several, with ``early_exit`` each exit's draft and verification ranges, the
+        prefill and the packed passes. Where ``nodraft::block`` serves (``block_serves``)
+        none of these is a graph: the passes run once each through it.
         ``compile=False``: only run the families already compiled or loaded once each.
         Returns the seconds it took."""
         t0 = time.perf_counter()
@@ -497,8 +535,9 @@ class CompiledPasses:
             self.run(torch.zeros(T, dim, dtype=dtype), torch.arange(start, start + T),
                      lo, hi, cache, slot, start, None, head, compile=compile)
         self.prefill(torch.zeros(5, dim, dtype=dtype), cache, slot, compile=compile)
-        for batch in _warm_up_batches(cache):
-            self.packed(batch, cache, compile=compile)
+        if not self.block_serves(compile):  # else nodraft::packed_block runs every batch
+            for batch in _warm_up_batches(cache):
+                self.packed(batch, cache, compile=compile)
         return time.perf_counter() - t0
 
 

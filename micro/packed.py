@@ -11,7 +11,7 @@ from torch import Tensor
 
 from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.ops import additive_mask, apply_rope
+from nodraft.micro.ops import apply_rope
 
 
 @dataclass
@@ -121,14 +121,18 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
     With compiled passes (``Micro.compile``) the blocks that want logits (at most
     ``NARROW`` rows each: current tokens and drafts) run as one compiled packed pass
     (``CompiledPasses.packed``), each prompt's chunk through the compiled prefill
-    (``CompiledPasses.prefill``), and what neither takes (a lone block beside prompts'
-    chunks, drafts too many for the compiled pass, a family not compiled yet) one by one
-    through ``nodraft::block`` where it serves (``CompiledPasses.block_serves``), else
-    eagerly, in a packed pass of its own.
+    (``CompiledPasses.prefill``), and only what neither takes (drafts too many for the
+    compiled pass, a family not compiled yet) eagerly, in a packed pass of its own. Where
+    nodraft's one-call passes serve (``CompiledPasses.block_serves``), every block, of any
+    size, goes through ``nodraft::packed_block`` in one call instead.
     """
     compiled = model.compiled
     if compiled is None:
         return _eager(model, segments, cache)
+    if compiled.block_serves():  # one call for every block, whatever its size
+        got = compiled.packed_block(segments, cache)
+        if got is not None:
+            return got
     out: list = [None] * len(segments)
     narrow = [i for i, s in enumerate(segments) if s.logits and len(s) <= NARROW]
     if len(narrow) >= 2:
@@ -142,16 +146,6 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
             if hidden is not None:
                 out[i] = (None, hidden)
     rest = [i for i in range(len(segments)) if out[i] is None]
-    if rest and compiled.block_serves():  # each through nodraft::block, its own pass
-        dtype = model.tok_embeddings.weight.dtype
-        for i in rest:
-            s = segments[i]
-            mask = None if s.mask is None else additive_mask(s.mask, dtype)
-            got = compiled.run(model.embed(s.ids), s.pos, 0, model.config.n_layers, cache,
-                               s.slot, s.start, mask, head=s.logits)
-            if got is not None:
-                out[i] = (got[1], got[0])
-        rest = [i for i in rest if out[i] is None]
     if rest:
         for i, o in zip(rest, _eager(model, [segments[i] for i in rest], cache)):
             out[i] = o

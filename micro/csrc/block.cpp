@@ -31,6 +31,7 @@
 // path it lies on, once accepted, would: speculative decoding of a lone sequence equals
 // plain decoding bit for bit.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -198,6 +199,170 @@ Mat mat(const at::Tensor& w, const char* what) {
   return {w.data_ptr<float>(), w.size(0), w.size(1), false};
 }
 
+// One sequence's rows in a pass: rows [off, off + T) of the pass, cache rows [start,
+// start + T) of ``slot``; ``mask`` (T, T) additive or null (causal); logits or not.
+struct Segment {
+  int64_t off, T, slot, start;
+  const float* mask;
+  bool logits;
+};
+
+// The weights of layers [lo, lo + n) (and the head), checked against a width of C.
+struct Weights {
+  std::vector<const float*> norms;
+  std::vector<Mat> mats;
+  int64_t n = 0, F = 0, V = 0;
+  bool head = false;
+};
+
+Weights weights(at::TensorList norms, at::TensorList mats, int64_t C) {
+  Weights w;
+  w.n = static_cast<int64_t>(mats.size()) / 4;
+  w.head = static_cast<int64_t>(mats.size()) == 4 * w.n + 1;
+  TORCH_CHECK(w.n >= 1 && static_cast<int64_t>(mats.size()) - 4 * w.n <= 1 &&
+                  static_cast<int64_t>(norms.size()) == 2 * w.n + (w.head ? 1 : 0),
+              "nodraft::block: expected 4 matrices and 2 norms a layer (and the head and the "
+              "final norm), got ", mats.size(), " and ", norms.size());
+  for (const at::Tensor& t : norms) {
+    TORCH_CHECK(t.numel() == C && t.is_contiguous() && t.scalar_type() == at::kFloat,
+                "nodraft::block: a norm's weight must be (", C, ",) float32");
+    w.norms.push_back(t.data_ptr<float>());
+  }
+  for (const at::Tensor& t : mats) w.mats.push_back(mat(t, "a weight"));
+  for (int64_t i = 0; i < w.n; ++i) {
+    const Mat &qkv = w.mats[4 * i], &o = w.mats[4 * i + 1], &up = w.mats[4 * i + 2],
+              &down = w.mats[4 * i + 3];
+    w.F = down.K;
+    TORCH_CHECK(qkv.K == C && qkv.N == 3 * C && o.K == C && o.N == C && up.K == C &&
+                    up.N == 2 * w.F && down.N == C,
+                "nodraft::block: layer ", i, "'s weights do not fit a width of ", C);
+  }
+  TORCH_CHECK(!w.head || w.mats.back().K == C, "nodraft::block: the head's input is not ", C,
+              " wide");
+  w.V = w.head ? w.mats.back().N : 0;
+  return w;
+}
+
+// Layers [lo, lo + w.n) over the pass's N rows x (N, C), in place: every segment's keys and
+// values written to its rows of the cache (L, S, H, M, D), each of its rows attending to
+// its slot's rows [0, start) and the segment's rows its mask allows. Then, with the head,
+// the logits of the segments that want them, their rows in order, into ``logits``.
+void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vector<Segment>& segs,
+            const Weights& w, float* kcp, float* vcp, int64_t S, int64_t H, int64_t M,
+            int64_t D, int64_t lo, const float* pcos, const float* psin, float eps,
+            float* logits) {
+  const int64_t F = w.F;
+  int64_t ctx = 0, T = 0;
+  for (const Segment& g : segs) {
+    ctx = std::max(ctx, g.start + g.T);
+    T = std::max(T, g.T);
+  }
+  thread_local Scratch scratch;
+  const int64_t widest = std::max<int64_t>(3 * C, 2 * F), FC = std::max(F, C);
+  float* buf = scratch.get(static_cast<size_t>(N * (C + widest + C + C + FC)));
+  float* xn = buf;                  // (N, C) a norm's output
+  float* wide = xn + N * C;         // (N, 3C) q, k, v; (N, 2F) gate, up
+  float* q = wide + N * widest;     // (N, C) rotated queries
+  float* y = q + N * C;             // (N, C) attention's output; a product's
+  float* act = y + N * C;           // (N, F) the SwiGLU's output; (N, C) a product's
+
+  const int64_t nv = (D + 7) / 8;
+  const RowKernel attend = pick<1>(nv);
+  const __m256i last = lanes(D - 8 * (nv - 1));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  // the attention's tasks: (segment, row, head), each ~start + t rows of D
+  std::vector<int64_t> seg_of(N);
+  for (size_t b = 0; b < segs.size(); ++b)
+    for (int64_t t = 0; t < segs[b].T; ++t) seg_of[segs[b].off + t] = static_cast<int64_t>(b);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, 2 * ctx * D));
+
+  for (int64_t i = 0; i < w.n; ++i) {
+    const int64_t l = lo + i;
+    const Mat &wqkv = w.mats[4 * i], &wo = w.mats[4 * i + 1], &w13 = w.mats[4 * i + 2],
+              &w2 = w.mats[4 * i + 3];
+    for (int64_t r = 0; r < N; ++r) rms_norm(px + r * C, w.norms[2 * i], C, eps, xn + r * C);
+    nodraft_kernels::gemm(xn, N, C, wqkv.p, 3 * C, wqkv.packed, wide);
+    for (const Segment& g : segs) {
+      float* kl = kcp + ((l * S + g.slot) * H) * M * D;  // (H, M, D)
+      float* vl = vcp + ((l * S + g.slot) * H) * M * D;
+      for (int64_t t = 0; t < g.T; ++t) {
+        const int64_t r = g.off + t;
+        const float* row = wide + r * 3 * C;
+        const float *ct = pcos + pp[r] * D, *st = psin + pp[r] * D;
+        for (int64_t hh = 0; hh < H; ++hh) {
+          rotate(row + hh * D, ct, st, D, q + r * C + hh * D);
+          rotate(row + C + hh * D, ct, st, D, kl + (hh * M + g.start + t) * D);
+          std::memcpy(vl + (hh * M + g.start + t) * D, row + 2 * C + hh * D, D * sizeof(float));
+        }
+      }
+    }
+    at::parallel_for(0, N * H, grain, [&](int64_t a, int64_t b) {
+      thread_local Scratch scores;
+      thread_local std::vector<int64_t> picked;
+      if (static_cast<int64_t>(picked.size()) < T) picked.resize(T);
+      float* sc = scores.get(static_cast<size_t>(ctx + 8));
+      for (int64_t task = a; task < b; ++task) {
+        const int64_t r = task / H, hh = task % H;
+        const Segment& g = segs[seg_of[r]];
+        const int64_t t = r - g.off;
+        const float* kl = kcp + (((l * S + g.slot) * H) + hh) * M * D;
+        const float* vl = vcp + (((l * S + g.slot) * H) + hh) * M * D;
+        attend(q + r * C + hh * D, kl, vl, D, g.start, g.T, t,
+               g.mask ? g.mask + t * g.T : nullptr, scale, last, sc, picked.data(),
+               y + r * C + hh * D);
+      }
+    });
+    nodraft_kernels::gemm(y, N, C, wo.p, C, wo.packed, act);
+    for (int64_t e = 0; e < N * C; ++e) px[e] += act[e];
+    for (int64_t r = 0; r < N; ++r) rms_norm(px + r * C, w.norms[2 * i + 1], C, eps, xn + r * C);
+    nodraft_kernels::gemm(xn, N, C, w13.p, 2 * F, w13.packed, wide);
+    for (int64_t r = 0; r < N; ++r) swiglu(wide + r * 2 * F, wide + r * 2 * F + F, F, act + r * F);
+    nodraft_kernels::gemm(act, N, F, w2.p, C, w2.packed, y);
+    for (int64_t e = 0; e < N * C; ++e) px[e] += y[e];
+  }
+  if (!w.head) return;
+  int64_t R = 0;  // the rows that want logits, gathered (normed) in order
+  for (const Segment& g : segs) {
+    if (!g.logits) continue;
+    for (int64_t t = 0; t < g.T; ++t, ++R)
+      rms_norm(px + (g.off + t) * C, w.norms[2 * w.n], C, eps, xn + R * C);
+  }
+  const Mat& wh = w.mats.back();
+  nodraft_kernels::gemm(xn, R, C, wh.p, w.V, wh.packed, logits);
+}
+
+struct Cache {
+  int64_t L, S, H, M, D;
+};
+
+Cache check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t C) {
+  TORCH_CHECK(kc.dim() == 5 && vc.sizes() == kc.sizes() && kc.is_contiguous() &&
+                  vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
+                  vc.scalar_type() == at::kFloat,
+              "nodraft::block: kc, vc must be contiguous float32 (L, S, H, M, D) alike, got ",
+              kc.sizes(), ", ", vc.sizes());
+  const Cache c{kc.size(0), kc.size(1), kc.size(2), kc.size(3), kc.size(4)};
+  TORCH_CHECK(c.H * c.D == C, "nodraft::block: ", c.H, " heads of ", c.D, " are not the width ", C);
+  TORCH_CHECK(c.D >= 2 && c.D % 2 == 0 && c.D <= 8 * kMaxVectors, "nodraft::block: head size ",
+              c.D, " not even or outside [2, ", 8 * kMaxVectors, "]");
+  return c;
+}
+
+const int64_t* positions(const at::Tensor& pos, int64_t N, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t D) {
+  TORCH_CHECK(pos.dim() == 1 && pos.size(0) == N, "nodraft::block: pos must be (", N,
+              ",), got ", pos.sizes());
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "nodraft::block: cos, sin must be contiguous float32 (P, ", D, ") alike");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < N; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "nodraft::block: position ", pp[t],
+                " outside the rotary tables' ", cos.size(0));
+  return pp;
+}
+
 std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& h_in, const at::Tensor& pos_in,
                                          const at::Tensor& cos, const at::Tensor& sin,
                                          at::TensorList norms, at::TensorList mats,
@@ -208,123 +373,86 @@ std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& h_in, const at::Tenso
               "nodraft::block: h must be (T, C) float32, got ", h_in.sizes(), " ",
               h_in.scalar_type());
   const int64_t T = h_in.size(0), C = h_in.size(1);
-  TORCH_CHECK(kc.dim() == 5 && vc.sizes() == kc.sizes() && kc.is_contiguous() &&
-                  vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
-                  vc.scalar_type() == at::kFloat,
-              "nodraft::block: kc, vc must be contiguous float32 (L, S, H, M, D) alike, got ",
-              kc.sizes(), ", ", vc.sizes());
-  const int64_t L = kc.size(0), S = kc.size(1), H = kc.size(2), M = kc.size(3), D = kc.size(4);
-  TORCH_CHECK(H * D == C, "nodraft::block: ", H, " heads of ", D, " are not the width ", C);
-  TORCH_CHECK(D >= 2 && D % 2 == 0 && D <= 8 * kMaxVectors,
-              "nodraft::block: head size ", D, " not even or outside [2, ", 8 * kMaxVectors, "]");
-  const int64_t n = static_cast<int64_t>(mats.size()) / 4;
-  const bool head = static_cast<int64_t>(mats.size()) == 4 * n + 1;
-  TORCH_CHECK(n >= 1 && static_cast<int64_t>(mats.size()) - 4 * n <= 1 &&
-                  static_cast<int64_t>(norms.size()) == 2 * n + (head ? 1 : 0),
-              "nodraft::block: expected 4 matrices and 2 norms a layer (and the head and the "
-              "final norm), got ", mats.size(), " and ", norms.size());
-  TORCH_CHECK(lo >= 0 && lo + n <= L && slot >= 0 && slot < S && start >= 0 && T >= 1 &&
-                  start + T <= M,
-              "nodraft::block: layers [", lo, ", ", lo + n, "), slot ", slot, ", rows [", start,
-              ", ", start + T, ") outside the cache's (", L, ", ", S, ", ", M, ")");
-  TORCH_CHECK(pos_in.dim() == 1 && pos_in.size(0) == T, "nodraft::block: pos must be (", T,
-              ",), got ", pos_in.sizes());
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && sin.sizes() == cos.sizes() &&
-                  cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "nodraft::block: cos, sin must be contiguous float32 (P, ", D, ") alike");
+  const Cache c = check_cache(kc, vc, C);
+  const Weights w = weights(norms, mats, C);
+  TORCH_CHECK(lo >= 0 && lo + w.n <= c.L && slot >= 0 && slot < c.S && start >= 0 && T >= 1 &&
+                  start + T <= c.M,
+              "nodraft::block: layers [", lo, ", ", lo + w.n, "), slot ", slot, ", rows [", start,
+              ", ", start + T, ") outside the cache's (", c.L, ", ", c.S, ", ", c.M, ")");
   const at::Tensor pos = pos_in.to(at::kLong).contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "nodraft::block: position ", pp[t],
-                " outside the rotary tables' ", cos.size(0));
+  const int64_t* pp = positions(pos, T, cos, sin, c.D);
   at::Tensor mask;
   if (mask_in.has_value()) {
     mask = mask_in->to(at::kFloat).contiguous();
     TORCH_CHECK(mask.dim() == 2 && mask.size(0) == T && mask.size(1) == T,
                 "nodraft::block: mask must be (", T, ", ", T, "), got ", mask.sizes());
   }
-  std::vector<const float*> nw(norms.size());
-  for (size_t i = 0; i < norms.size(); ++i) {
-    TORCH_CHECK(norms[i].numel() == C && norms[i].is_contiguous() &&
-                    norms[i].scalar_type() == at::kFloat,
-                "nodraft::block: a norm's weight must be (", C, ",) float32");
-    nw[i] = norms[i].data_ptr<float>();
-  }
-  std::vector<Mat> mw(mats.size());
-  for (size_t i = 0; i < mats.size(); ++i) mw[i] = mat(mats[i], "a weight");
-  int64_t F = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const Mat &qkv = mw[4 * i], &o = mw[4 * i + 1], &up = mw[4 * i + 2], &down = mw[4 * i + 3];
-    F = down.K;
-    TORCH_CHECK(qkv.K == C && qkv.N == 3 * C && o.K == C && o.N == C && up.K == C &&
-                    up.N == 2 * F && down.N == C,
-                "nodraft::block: layer ", lo + i, "'s weights do not fit a width of ", C);
-  }
-  TORCH_CHECK(!head || mw.back().K == C, "nodraft::block: the head's input is not ", C, " wide");
+  at::Tensor x = h_in.contiguous().clone();
+  at::Tensor logits = at::empty({w.head ? T : 0, w.V}, x.options());
+  const std::vector<Segment> segs{
+      {0, T, slot, start, mask.defined() ? mask.data_ptr<float>() : nullptr, true}};
+  layers(x.data_ptr<float>(), T, C, pp, segs, w, kc.data_ptr<float>(), vc.data_ptr<float>(), c.S,
+         c.H, c.M, c.D, lo, cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(eps),
+         w.head ? logits.data_ptr<float>() : nullptr);
+  return {x, logits};
+}
 
-  const at::Tensor h0 = h_in.contiguous();
-  at::Tensor x = h0.clone();
-  const int64_t V = head ? mw.back().N : 0;
-  at::Tensor logits = at::empty({head ? T : 0, V}, h0.options());
-
-  thread_local Scratch scratch;
-  const int64_t ctx = start + T;
-  const int64_t widest = std::max<int64_t>(3 * C, 2 * F);
-  thread_local std::vector<int64_t> picked;
-  if (static_cast<int64_t>(picked.size()) < T) picked.resize(T);
-  const int64_t FC = std::max(F, C);
-  float* buf = scratch.get(static_cast<size_t>(T * (C + widest + C + C + FC) + ctx + 8));
-  float* xn = buf;                  // (T, C) a norm's output
-  float* wide = xn + T * C;         // (T, 3C) q, k, v; (T, 2F) gate, up
-  float* q = wide + T * widest;     // (T, C) rotated queries
-  float* y = q + T * C;             // (T, C) attention's output; a product's
-  float* act = y + T * C;           // (T, F) the SwiGLU's output; (T, C) a product's
-  float* s = act + T * FC;          // (ctx + 8) scores
-  int64_t* rows = picked.data();    // (T) the block's rows a row sees
-
-  const int64_t nv = (D + 7) / 8;
-  const RowKernel attend = pick<1>(nv);
-  const __m256i last = lanes(D - 8 * (nv - 1));
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  const float fe = static_cast<float>(eps);
-  float* px = x.data_ptr<float>();
-  const float *pcos = cos.data_ptr<float>(), *psin = sin.data_ptr<float>();
-  const float* pm = mask.defined() ? mask.data_ptr<float>() : nullptr;
-
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t l = lo + i;
-    const Mat &wqkv = mw[4 * i], &wo = mw[4 * i + 1], &w13 = mw[4 * i + 2], &w2 = mw[4 * i + 3];
-    float* kl = kc.data_ptr<float>() + ((l * S + slot) * H) * M * D;  // (H, M, D)
-    float* vl = vc.data_ptr<float>() + ((l * S + slot) * H) * M * D;
-    for (int64_t t = 0; t < T; ++t) rms_norm(px + t * C, nw[2 * i], C, fe, xn + t * C);
-    nodraft_kernels::gemm(xn, T, C, wqkv.p, 3 * C, wqkv.packed, wide);
-    for (int64_t t = 0; t < T; ++t) {
-      const float* r = wide + t * 3 * C;
-      const float *ct = pcos + pp[t] * D, *st = psin + pp[t] * D;
-      for (int64_t hh = 0; hh < H; ++hh) {
-        rotate(r + hh * D, ct, st, D, q + t * C + hh * D);
-        rotate(r + C + hh * D, ct, st, D, kl + (hh * M + start + t) * D);
-        std::memcpy(vl + (hh * M + start + t) * D, r + 2 * C + hh * D, D * sizeof(float));
-      }
+// nodraft::packed_block: several sequences' blocks in one pass through every layer given
+// and the head: the products over all their rows at once, each block's attention over its
+// own slot. ``lengths``, ``slots``, ``starts``: each segment's rows (in order in h), slot
+// and first cache row; ``masks``: each one's (T, T) additive mask or None (causal);
+// ``logits``: whether its rows get logits. Returns the final residual stream (N, C) and the
+// logits of the segments that want them, their rows in order.
+std::tuple<at::Tensor, at::Tensor> packed_block(
+    const at::Tensor& h_in, const at::Tensor& pos_in, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList norms, at::TensorList mats, at::Tensor& kc, at::Tensor& vc,
+    at::IntArrayRef lengths, at::IntArrayRef slots, at::IntArrayRef starts,
+    const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef want, int64_t lo,
+    double eps) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat,
+              "nodraft::block: h must be (N, C) float32, got ", h_in.sizes(), " ",
+              h_in.scalar_type());
+  const int64_t N = h_in.size(0), C = h_in.size(1);
+  const Cache c = check_cache(kc, vc, C);
+  const Weights w = weights(norms, mats, C);
+  const size_t B = lengths.size();
+  TORCH_CHECK(slots.size() == B && starts.size() == B && masks.size() == B && want.size() == B,
+              "nodraft::block: lengths, slots, starts, masks and logits must be alike long");
+  TORCH_CHECK(lo >= 0 && lo + w.n <= c.L, "nodraft::block: layers [", lo, ", ", lo + w.n,
+              ") outside the cache's ", c.L);
+  std::vector<Segment> segs;
+  std::vector<at::Tensor> kept;  // the masks as float32, contiguous, alive for the call
+  std::vector<bool> used(c.S, false);
+  int64_t off = 0, R = 0;
+  for (size_t b = 0; b < B; ++b) {
+    const int64_t T = lengths[b], slot = slots[b], start = starts[b];
+    TORCH_CHECK(T >= 1 && slot >= 0 && slot < c.S && !used[slot] && start >= 0 &&
+                    start + T <= c.M,
+                "nodraft::block: segment ", b, ": slot ", slot, ", rows [", start, ", ",
+                start + T, ") outside the cache's (", c.S, ", ", c.M, ") or its slot taken twice");
+    used[slot] = true;
+    const float* pm = nullptr;
+    const std::optional<at::Tensor> m = masks.get(b);
+    if (m.has_value()) {
+      kept.push_back(m->to(at::kFloat).contiguous());
+      TORCH_CHECK(kept.back().dim() == 2 && kept.back().size(0) == T && kept.back().size(1) == T,
+                  "nodraft::block: segment ", b, "'s mask must be (", T, ", ", T, "), got ",
+                  kept.back().sizes());
+      pm = kept.back().data_ptr<float>();
     }
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t hh = 0; hh < H; ++hh)
-        attend(q + t * C + hh * D, kl + hh * M * D, vl + hh * M * D, D, start, T, t,
-               pm ? pm + t * T : nullptr, scale, last, s, rows, y + t * C + hh * D);
-    nodraft_kernels::gemm(y, T, C, wo.p, C, wo.packed, act);
-    for (int64_t e = 0; e < T * C; ++e) px[e] += act[e];
-    for (int64_t t = 0; t < T; ++t) rms_norm(px + t * C, nw[2 * i + 1], C, fe, xn + t * C);
-    nodraft_kernels::gemm(xn, T, C, w13.p, 2 * F, w13.packed, wide);
-    for (int64_t t = 0; t < T; ++t) swiglu(wide + t * 2 * F, wide + t * 2 * F + F, F, act + t * F);
-    nodraft_kernels::gemm(act, T, F, w2.p, C, w2.packed, y);
-    for (int64_t e = 0; e < T * C; ++e) px[e] += y[e];
+    segs.push_back({off, T, slot, start, pm, want[b] != 0});
+    off += T;
+    if (want[b]) R += T;
   }
-  if (head) {
-    for (int64_t t = 0; t < T; ++t) rms_norm(px + t * C, nw[2 * n], C, fe, xn + t * C);
-    const Mat& wh = mw.back();
-    nodraft_kernels::gemm(xn, T, C, wh.p, V, wh.packed, logits.data_ptr<float>());
-  }
+  TORCH_CHECK(off == N, "nodraft::block: the segments' lengths add up to ", off, ", not ", N);
+  const at::Tensor pos = pos_in.to(at::kLong).contiguous();
+  const int64_t* pp = positions(pos, N, cos, sin, c.D);
+  at::Tensor x = h_in.contiguous().clone();
+  at::Tensor logits = at::empty({w.head ? R : 0, w.V}, x.options());
+  if (N > 0)
+    layers(x.data_ptr<float>(), N, C, pp, segs, w, kc.data_ptr<float>(), vc.data_ptr<float>(),
+           c.S, c.H, c.M, c.D, lo, cos.data_ptr<float>(), sin.data_ptr<float>(),
+           static_cast<float>(eps), w.head ? logits.data_ptr<float>() : nullptr);
   return {x, logits};
 }
 
@@ -334,5 +462,11 @@ TORCH_LIBRARY_FRAGMENT(nodraft, m) {
   m.def("block(Tensor h, Tensor pos, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] mats, "
         "Tensor(a!) kc, Tensor(b!) vc, int slot, int start, int lo, Tensor? mask, float eps) "
         "-> (Tensor, Tensor)");
+  m.def("packed_block(Tensor h, Tensor pos, Tensor cos, Tensor sin, Tensor[] norms, "
+        "Tensor[] mats, Tensor(a!) kc, Tensor(b!) vc, int[] lengths, int[] slots, "
+        "int[] starts, Tensor?[] masks, int[] logits, int lo, float eps) -> (Tensor, Tensor)");
 }
-TORCH_LIBRARY_IMPL(nodraft, CPU, m) { m.impl("block", &block); }
+TORCH_LIBRARY_IMPL(nodraft, CPU, m) {
+  m.impl("block", &block);
+  m.impl("packed_block", &packed_block);
+}

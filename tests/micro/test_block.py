@@ -1,9 +1,10 @@
-"""nodraft::block (micro/csrc/block.cpp), the one-call pass of a lone sequence: eager micro's
-numbers up to float rounding for every pass the engine runs (a decode step, chains and
-trees, early exit's ranges, prompts from an empty slot and past a prefix, on both
-checkpoints and any head width it takes); batch-invariant bit for bit (a token alone, or
-behind drafts, or on an accepted tree path, gives the same logits); its inputs checked;
-and where it serves (``CompiledPasses.block_serves``)."""
+"""nodraft::block and nodraft::packed_block (micro/csrc/block.cpp), the one-call passes of
+a lone sequence and of a batch: eager micro's numbers up to float rounding for every pass
+the engine runs (a decode step, chains and trees, early exit's ranges, prompts from an
+empty slot and past a prefix, every kind of packed batch, on both checkpoints and any head
+width they take); batch-invariant bit for bit (a token alone, behind drafts, on an accepted
+tree path, or batched beside other sequences gives the same logits); their inputs
+checked; and where they serve (``CompiledPasses.block_serves``)."""
 
 import pytest
 import torch
@@ -190,24 +191,74 @@ def test_where_it_serves(checkpoint_dir, monkeypatch):
                               True) is None
 
 
-def test_a_lone_block_beside_prompt_chunks_runs_through_it(checkpoint_dir):
-    """``forward_packed``: what the packed graph does not take (one sequence's step beside
-    other prompts' chunks) goes through nodraft::block, not an eager pass."""
-    from nodraft.micro.packed import Segment, forward_packed
+def test_a_packed_pass_matches_eager_for_every_kind_of_batch(checkpoint_dir):
+    """``nodraft::packed_block`` (``forward_packed`` where it serves): eager's logits,
+    hidden states and cache rows for one-row blocks over the whole cache and a sparse
+    range, chains and a tree beside one-row blocks, drafted blocks alone, prompts' chunks
+    (from an empty slot and past a prefix) beside steps -- all in one call."""
+    from nodraft.micro.packed import forward_packed
+    from tests.engine.test_compiled import _packed_batches
 
     eager = load_model("micro", checkpoint_dir)
     fast = load_model("micro", checkpoint_dir).compile()
-    ce, cf = _prefilled(eager, 12), _prefilled(eager, 12)
-    tree = tree_attention_mask(torch.tensor([-1, -1]))
-    batch = lambda: [Segment(1, 12, torch.tensor([4, 5, 6]), torch.tensor([12, 13, 13]), tree),  # noqa: E731
-                     Segment(2, 0, torch.arange(9), torch.arange(9), logits=False)]
-    want = forward_packed(eager, batch(), ce)
-    ops = _ops(lambda: forward_packed(fast, batch(), KVCache(eager.config, 3)))
-    got = forward_packed(fast, batch(), cf)
-    assert "nodraft::block" in ops and "aten::linear" not in ops
-    for (lw, hw), (lg, hg) in zip(want, got):
-        assert (lw is None) == (lg is None)
-        if lw is not None:
-            torch.testing.assert_close(lg, lw, **TOL)
-        torch.testing.assert_close(hg, hw, rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(cf.k, ce.k, **TOL)
+    ce, cf = KVCache(eager.config, 5, 64), KVCache(eager.config, 5, 64)
+    for want_batch, got_batch in zip(_packed_batches(eager, ce), _packed_batches(eager, cf)):
+        want = forward_packed(eager, want_batch, ce)
+        ops = _ops(lambda: forward_packed(fast, got_batch, KVCache(eager.config, 5, 64)))
+        got = forward_packed(fast, got_batch, cf)
+        assert "nodraft::packed_block" in ops and "aten::linear" not in ops
+        for (lw, hw), (lg, hg) in zip(want, got):
+            assert (lw is None) == (lg is None)
+            if lw is not None:
+                torch.testing.assert_close(lg, lw, **TOL)
+            torch.testing.assert_close(hg, hw, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close(cf.k, ce.k, **TOL)
+        torch.testing.assert_close(cf.v, ce.v, **TOL)
+
+
+def test_a_sequence_gets_the_same_bits_batched_as_alone(checkpoint_dir):
+    """Batch-invariant across sequences too: a block's logits in a packed pass beside
+    other sequences' blocks (one-row steps, a tree, a prompt's chunk) are its logits when it
+    runs alone, bit for bit."""
+    from nodraft.micro.packed import Segment, forward_packed
+
+    fast = load_model("micro", checkpoint_dir).compile()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 4096, (n,), generator=g) for n in (17, 30, 9, 24)]
+
+    def fresh():
+        cache = KVCache(fast.config, 5, 96)
+        for s, p in enumerate(prompts):
+            fast.prefill_pass(p, cache, s, 0)
+        return cache
+
+    chain = torch.randint(0, 4096, (4,), generator=g)
+    tree = tree_attention_mask(torch.tensor([-1, -1, 0]))
+    batch = [Segment(0, 17, chain, torch.arange(17, 21)),
+             Segment(1, 30, chain[:1], torch.tensor([30])),
+             Segment(2, 9, chain, torch.tensor([9, 10, 10, 11]), tree),
+             Segment(3, 24, chain[:2], torch.arange(24, 26)),
+             Segment(4, 0, prompts[0][:7], torch.arange(7), logits=False)]
+    packed = forward_packed(fast, batch, fresh())
+    for s, (lg, hg) in zip(batch, packed):
+        alone = fresh()
+        if s.logits:
+            la, ha = fast.verify_pass(s.ids, alone, s.slot, s.start, s.pos, s.mask)
+            assert torch.equal(lg, la) and torch.equal(hg, ha)
+        else:
+            assert torch.equal(hg, fast.prefill_pass(s.ids, alone, s.slot, s.start))
+
+
+def test_a_packed_pass_refuses_a_slot_twice_and_lengths_that_do_not_add_up(checkpoint_dir):
+    fast = load_model("micro", checkpoint_dir).compile()
+    cache = KVCache(fast.config, 3, 64)
+    op = torch.ops.nodraft.packed_block.default
+    norms, mats = fast.compiled._block_weights(0, fast.config.n_layers, True)
+    h = torch.zeros(2, fast.config.dim)
+    args = (h, torch.tensor([3, 4]), fast.rope_cos, fast.rope_sin, norms, mats, cache.k, cache.v)
+    with pytest.raises(RuntimeError, match="taken twice"):
+        op(*args, [1, 1], [0, 0], [3, 4], [None, None], [1, 1], 0, 1e-5)
+    with pytest.raises(RuntimeError, match="add up to 3"):
+        op(*args, [1, 2], [0, 1], [3, 4], [None, None], [1, 1], 0, 1e-5)
+    h2, lg = op(*args, [1, 1], [0, 1], [3, 4], [None, None], [1, 0], 0, 1e-5)
+    assert h2.shape == (2, fast.config.dim) and lg.shape == (1, fast.config.vocab_size)

@@ -112,12 +112,12 @@ def every_drafter_matches_eager(checkpoints: Path, cache: Path) -> None:
              "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
-    # all of them right, alone and batched, on loaded graphs, nothing traced. Where
-    # nodraft's kernels serve, a lone sequence's passes are nodraft::block's and the build
-    # holds the model's two packed passes; elsewhere its 16 target graphs: 13
-    # single-sequence passes -- two of them a prompt's rows past a cached block or an
-    # earlier chunk --, the prefill and the two packed passes, each run by some request
-    graphs = 2 if got["block"] else 16
+    # all of them right, alone and batched, nothing traced. Where nodraft's kernels serve,
+    # every target pass is nodraft::block's or nodraft::packed_block's and the build holds
+    # no target graph (EAGLE's draft steps only); elsewhere the model's 16 target graphs,
+    # loaded: 13 single-sequence passes -- two of them a prompt's rows past a cached block
+    # or an earlier chunk --, the prefill and the two packed passes, each run by some request
+    graphs = 0 if got["block"] else 16
     assert got["wrong"] == [] and got["frames"] == 0 and got["graphs"] == got["ran"] == graphs, got
     assert got["packed"] > 0
 
@@ -191,7 +191,7 @@ def test_compiled_passes_survive_a_killed_build_then_load_at_a_warm_start(
         assert httpx.get(url + "/health").json()["compiled"] == "warming"
         early = _complete(url, "none")  # served at once, eager, while the build runs
         # killed once the builder has saved a graph: in the middle of the build
-        assert wait_for(lambda: any((cache / "compiled").glob("*.building-*/*/*.pt2")),
+        assert wait_for(lambda: any((cache / "compiled").glob("*.building-*/**/*.pt2")),
                         timeout=600), "no graph built within 600 s"
         assert builders(cache)  # the build, and the processes compiling side by side
     finally:
