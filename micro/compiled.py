@@ -1,5 +1,7 @@
 """Compiled cache passes: one sequence's block through micro's layers as one ``torch.compile``
-graph.
+graph -- or, where nodraft's kernels load, as one call of ``nodraft::block`` (a batch's:
+``nodraft::packed_block``; csrc/block.cpp, ``CompiledPasses.block_serves``), which leaves
+the graphs to EAGLE's draft steps, ``--gemm torch`` and CPUs without AVX-512 or AVX2.
 
 On a CPU a 1-token pass of eager micro is mostly per-operation cost: ~200 small kernels
 and views around a few matrix products. Inductor fuses the norms, rotary embeddings,
@@ -215,7 +217,8 @@ class CompiledPasses:
 
     def block_serves(self, compile: bool | None = None) -> bool:
         """Whether ``nodraft::block`` (csrc/block.cpp) runs this model's one-sequence passes
-        (``run``, ``prefill``): nodraft's product chosen (``gemm``) and its library loaded,
+        (``run``, ``prefill``) and ``nodraft::packed_block`` its batches (``packed_block``,
+        through ``forward_packed``): nodraft's product chosen (``gemm``) and its library loaded,
         float32 weights, heads of an even width up to 128. Decided at the first call that
         finds the library loaded, or, where compiling is allowed (``compile``, else
         ``lazy``), loads it; until then False. A server's engine asks from its warm-up

@@ -21,8 +21,10 @@ tests, as before.
 
 The same library carries ``nodraft::race`` (``csrc/race.cpp``), seeded and unseeded
 sampling's race (``engine.sampling``), which a process uses once it has loaded this one,
-and ``nodraft::attend`` (``csrc/attend.cpp``), the packed passes' attention for one-row
-blocks (``attention``; micro/compiled.py), each slot over its own cached rows only.
+``nodraft::attend`` (``csrc/attend.cpp``), the packed graphs' attention for one-row
+blocks (``attention``; micro/compiled.py), each slot over its own cached rows only, and
+``nodraft::block`` / ``nodraft::packed_block`` (``csrc/block.cpp``), a lone sequence's and
+a batch's whole pass in one call, which call this kernel directly (``csrc/gemm.h``).
 
 Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 with -mavx512f or -mavx2
 -mfma, 10-20 s once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``,
