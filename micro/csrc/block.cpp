@@ -165,6 +165,13 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
   _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));
 }
 
+// A hint: n floats from p towards L2, a line at a time (a slot's rows are a run of their
+// own, far from the last one's: the hardware prefetcher restarts at every page).
+inline void prefetch(const float* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0, bytes = 4 * n; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+}
+
 using RowKernel = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
                            int64_t, const float*, float, __m256i, float*, int64_t*, float*);
 
@@ -307,6 +314,13 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
         const int64_t t = r - g.off;
         const float* kl = kcp + (((l * S + g.slot) * H) + hh) * M * D;
         const float* vl = vcp + (((l * S + g.slot) * H) + hh) * M * D;
+        if (task + 1 < b) {  // the next task's rows on their way to L2 while this one runs
+          const int64_t r1 = (task + 1) / H, h1 = (task + 1) % H;
+          const Segment& g1 = segs[seg_of[r1]];
+          const int64_t o1 = (((l * S + g1.slot) * H) + h1) * M * D, n1 = (g1.start + g1.T) * D;
+          prefetch(kcp + o1, n1);
+          prefetch(vcp + o1, n1);
+        }
         attend(q + r * C + hh * D, kl, vl, D, g.start, g.T, t,
                g.mask ? g.mask + t * g.T : nullptr, scale, last, sc, picked.data(),
                y + r * C + hh * D);
