@@ -30,26 +30,15 @@
 
 namespace {
 
-using nodraft_simd::exp_nonpositive;
+using nodraft_simd::dot;
+using nodraft_simd::exp_sum;
 using nodraft_simd::lanes;
+using nodraft_simd::load;
 using nodraft_simd::sum;
 
 constexpr int64_t kMaxVectors = 16;
 
 // a row of D floats: NV vectors, the last one's lanes under ``last``
-template <int NV>
-inline __m256 load(const float* p, int i, __m256i last) {
-  return i < NV - 1 ? _mm256_loadu_ps(p + 8 * i) : _mm256_maskload_ps(p + 8 * i, last);
-}
-
-template <int NV>
-inline float dot(const __m256 (&q)[NV], const float* r, __m256i last) {
-  __m256 acc = _mm256_mul_ps(q[0], load<NV>(r, 0, last));
-#pragma GCC unroll 16
-  for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(q[i], load<NV>(r, i, last), acc);
-  return sum(acc);
-}
-
 // One (slot, head): ``s`` holds at least n + 9 floats.
 template <int NV>
 void attend_one(const float* q, const float* k, const float* v, const float* kc, int64_t kst,
@@ -63,15 +52,7 @@ void attend_one(const float* q, const float* k, const float* v, const float* kc,
     s[t] = dot<NV>(qv, kc + t * kst, last);
     top = std::max(top, s[t]);
   }
-  const int64_t m = n + 1, padded = (m + 7) / 8 * 8;
-  std::fill(s + m, s + padded, -std::numeric_limits<float>::infinity());  // exp: 0
-  const __m256 vtop = _mm256_set1_ps(top);
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t t = 0; t < padded; t += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), vtop));
-    _mm256_storeu_ps(s + t, e);
-    total = _mm256_add_ps(total, e);
-  }
+  const float total = exp_sum(s, n + 1, top);
   __m256 acc[NV];
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_mul_ps(_mm256_set1_ps(s[n]), load<NV>(v, i, last));
@@ -81,7 +62,7 @@ void attend_one(const float* q, const float* k, const float* v, const float* kc,
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(p, load<NV>(r, i, last), acc[i]);
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum(total));
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
 #pragma GCC unroll 16
   for (int i = 0; i < NV - 1; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(acc[i], inv));
   _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));

@@ -49,8 +49,11 @@
 
 namespace {
 
+using nodraft_simd::dot;
+using nodraft_simd::exp_sum;
 using nodraft_simd::exp_nonpositive;
 using nodraft_simd::lanes;
+using nodraft_simd::load;
 using nodraft_simd::sum;
 
 constexpr int64_t kMaxVectors = 16;  // heads up to 128 wide
@@ -103,19 +106,6 @@ inline void swiglu(const float* gate, const float* up, int64_t n, float* y) {
   for (; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
-template <int NV>
-inline __m256 load(const float* p, int i, __m256i last) {
-  return i < NV - 1 ? _mm256_loadu_ps(p + 8 * i) : _mm256_maskload_ps(p + 8 * i, last);
-}
-
-template <int NV>
-inline float dot(const __m256 (&q)[NV], const float* r, __m256i last) {
-  __m256 acc = _mm256_mul_ps(q[0], load<NV>(r, 0, last));
-#pragma GCC unroll 16
-  for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(q[i], load<NV>(r, i, last), acc);
-  return sum(acc);
-}
-
 // One row's attention in one head: q (D,), over the cache rows [0, start) of k, v (M, D)
 // and the block's rows start + j its ``mask`` row allows (null: j <= t), in cache order.
 // ``s`` holds at least start + T + 8 floats, ``rows`` T.
@@ -141,15 +131,7 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
     rows[m++] = r;
     ++n;
   }
-  const int64_t padded = (n + 7) / 8 * 8;
-  std::fill(s + n, s + padded, kNegInf);  // exp: 0
-  const __m256 vtop = _mm256_set1_ps(top);
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t i = 0; i < padded; i += 8) {
-    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), vtop));
-    _mm256_storeu_ps(s + i, e);
-    total = _mm256_add_ps(total, e);
-  }
+  const float total = exp_sum(s, n, top);
   __m256 acc[NV];
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
@@ -159,7 +141,7 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
 #pragma GCC unroll 16
     for (int u = 0; u < NV; ++u) acc[u] = _mm256_fmadd_ps(p, load<NV>(vr, u, last), acc[u]);
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / sum(total));
+  const __m256 inv = _mm256_set1_ps(1.0f / total);
 #pragma GCC unroll 16
   for (int u = 0; u < NV - 1; ++u) _mm256_storeu_ps(y + 8 * u, _mm256_mul_ps(acc[u], inv));
   _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));
@@ -377,38 +359,26 @@ const int64_t* positions(const at::Tensor& pos, int64_t N, const at::Tensor& cos
   return pp;
 }
 
+std::tuple<at::Tensor, at::Tensor> packed_block(
+    const at::Tensor& h_in, const at::Tensor& pos_in, const at::Tensor& cos, const at::Tensor& sin,
+    at::TensorList norms, at::TensorList mats, at::Tensor& kc, at::Tensor& vc,
+    at::IntArrayRef lengths, at::IntArrayRef slots, at::IntArrayRef starts,
+    const c10::List<std::optional<at::Tensor>>& masks, at::IntArrayRef want, int64_t lo,
+    double eps);
+
+// nodraft::block: one sequence's block, a batch of one (its mask None: causal)
 std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& h_in, const at::Tensor& pos_in,
                                          const at::Tensor& cos, const at::Tensor& sin,
                                          at::TensorList norms, at::TensorList mats,
                                          at::Tensor& kc, at::Tensor& vc, int64_t slot,
                                          int64_t start, int64_t lo,
                                          const std::optional<at::Tensor>& mask_in, double eps) {
-  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat,
-              "nodraft::block: h must be (T, C) float32, got ", h_in.sizes(), " ",
-              h_in.scalar_type());
-  const int64_t T = h_in.size(0), C = h_in.size(1);
-  const Cache c = check_cache(kc, vc, C);
-  const Weights w = weights(norms, mats, C);
-  TORCH_CHECK(lo >= 0 && lo + w.n <= c.L && slot >= 0 && slot < c.S && start >= 0 && T >= 1 &&
-                  start + T <= c.M,
-              "nodraft::block: layers [", lo, ", ", lo + w.n, "), slot ", slot, ", rows [", start,
-              ", ", start + T, ") outside the cache's (", c.L, ", ", c.S, ", ", c.M, ")");
-  const at::Tensor pos = pos_in.to(at::kLong).contiguous();
-  const int64_t* pp = positions(pos, T, cos, sin, c.D);
-  at::Tensor mask;
-  if (mask_in.has_value()) {
-    mask = mask_in->to(at::kFloat).contiguous();
-    TORCH_CHECK(mask.dim() == 2 && mask.size(0) == T && mask.size(1) == T,
-                "nodraft::block: mask must be (", T, ", ", T, "), got ", mask.sizes());
-  }
-  at::Tensor x = h_in.contiguous().clone();
-  at::Tensor logits = at::empty({w.head ? T : 0, w.V}, x.options());
-  const std::vector<Segment> segs{
-      {0, T, slot, start, mask.defined() ? mask.data_ptr<float>() : nullptr, true}};
-  layers(x.data_ptr<float>(), T, C, pp, segs, w, kc.data_ptr<float>(), vc.data_ptr<float>(), c.S,
-         c.H, c.M, c.D, lo, cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(eps),
-         w.head ? logits.data_ptr<float>() : nullptr);
-  return {x, logits};
+  TORCH_CHECK(h_in.dim() == 2, "nodraft::block: h must be (T, C), got ", h_in.sizes());
+  const std::vector<int64_t> lengths{h_in.size(0)}, slots{slot}, starts{start}, want{1};
+  c10::List<std::optional<at::Tensor>> masks;
+  masks.push_back(mask_in);
+  return packed_block(h_in, pos_in, cos, sin, norms, mats, kc, vc, lengths, slots, starts,
+                      masks, want, lo, eps);
 }
 
 // nodraft::packed_block: several sequences' blocks in one pass through every layer given

@@ -43,4 +43,34 @@ inline float sum(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
+// a row of D floats as NV vectors of 8, the last one's lanes under ``last``
+template <int NV>
+inline __m256 load(const float* p, int i, __m256i last) {
+  return i < NV - 1 ? _mm256_loadu_ps(p + 8 * i) : _mm256_maskload_ps(p + 8 * i, last);
+}
+
+// q . r over such a row, q held in NV registers
+template <int NV>
+inline float dot(const __m256 (&q)[NV], const float* r, __m256i last) {
+  __m256 acc = _mm256_mul_ps(q[0], load<NV>(r, 0, last));
+#pragma GCC unroll 16
+  for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(q[i], load<NV>(r, i, last), acc);
+  return sum(acc);
+}
+
+// Softmax's numerators in place: s[i] = exp(s[i] - top) for i < n, and s[n, n rounded up to
+// 8) zeroed (``s`` holds n + 8 floats); returns their sum (eight lanes, then across them).
+inline float exp_sum(float* s, int64_t n, float top) {
+  const int64_t padded = (n + 7) / 8 * 8;
+  for (int64_t i = n; i < padded; ++i) s[i] = -__builtin_inff();  // exp: 0
+  const __m256 vtop = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t i = 0; i < padded; i += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + i), vtop));
+    _mm256_storeu_ps(s + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  return sum(total);
+}
+
 }  // namespace nodraft_simd
