@@ -549,13 +549,14 @@ class Engine:
             stepping.append(h)
         # a draft that would put its block, or the pass's drafted blocks, past what the
         # compiled packed pass takes costs a second, eager pass: never planned
-        longest = packed_draft_cap(1) if model.compiled is not None else Sequence.max_draft
+        cap = block_cap(model, 1)
+        longest = Sequence.max_draft if cap is None else cap
         plan = [(h.draft_state, h.request.method, min(h.sequence.budget(), longest))
                 for h in stepping]
         limits = self.scheduler.limits(plan, len(stepping), sum(len(s) for s in segments))
         drafting = sum(1 for k in limits if k)
-        if drafting > 1 and model.compiled is not None:
-            cap = packed_draft_cap(drafting)
+        cap = block_cap(model, drafting) if drafting > 1 else None
+        if cap is not None:
             limits = [min(k, cap) for k in limits]
         drafting_s = 0.0
         for h, k in zip(stepping, limits):
@@ -648,6 +649,17 @@ class Engine:
                             stats=seq.stats if seq else SpecStats(handle.request.method),
                             stats_by_method=seq.stats_by_method if seq else {},
                             error=handle.error if reason == "error" else None))
+
+
+def block_cap(model: Micro, drafting: int) -> int | None:
+    """The most draft tokens each of ``drafting`` sequences' blocks may carry for a packed
+    pass to run as one: ``packed_draft_cap`` for the compiled packed graphs; None (no
+    bound but each drafter's own) where ``nodraft::packed_block`` runs the pass, which takes
+    blocks of any size, or where the passes are eager."""
+    compiled = model.compiled
+    if compiled is None or compiled.block_serves():
+        return None
+    return packed_draft_cap(drafting)
 
 
 def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list

@@ -306,6 +306,21 @@ def test_the_plan_keeps_every_block_within_the_compiled_packed_pass():
         assert cap + 2 > NARROW or max(2, n) * (cap + 2) > PACKED_DRAFTED_ROWS
 
 
+def test_the_plan_bounds_blocks_only_for_the_compiled_packed_graphs():
+    """``block_cap``: the packed graphs' bound where they run a batch; none (each drafter's
+    own) where nodraft::packed_block does, or the passes are eager."""
+    from nodraft.engine.core import block_cap
+    from nodraft.micro import gemm
+
+    model = tiny_model(dtype=torch.float32)
+    assert block_cap(model, 8) is None  # eager
+    model.compile(block=False)
+    assert block_cap(model, 1) == packed_draft_cap(1) and block_cap(model, 8) == packed_draft_cap(8)
+    if gemm.load():  # where nodraft's kernels build
+        model.compile()  # lazy: decides (and loads them) at its first question
+        assert block_cap(model, 8) is None and model.compiled.block_serves()
+
+
 def test_a_chain_drafters_plan_is_bounded_by_its_own_longest_draft():
     """The batch plan prices no draft longer than the drafter sends: a sequence of a
     chain drafter may carry at most its ``num_speculative_tokens``."""
