@@ -1,11 +1,13 @@
-// nodraft::block -- one sequence's block of T rows through a range of micro's layers (and the
-// final norm and head), in one call: what a decode step, a draft's verification and a
-// short prompt's prefill run when one sequence is alone (micro/compiled.py, ``run``).
+// nodraft::block and nodraft::packed_block -- a pass through a range of micro's layers (and
+// the final norm and head) in one call: ``block``, one sequence's block of T rows (a decode
+// step, a draft's verification, a prompt's prefill: micro/compiled.py, ``run``);
+// ``packed_block``, several sequences' blocks at once, each in its own KV slot (a batch's
+// pass: ``CompiledPasses.packed_block``).
 //
 // A compiled graph of the same pass spends as long around its products as in them (buffer
 // allocation, views, one dispatcher call per product and per fused loop); here the whole
-// pass is C++: the products by nodraft::mm's kernel (gemm.h), the norms, rotations,
-// attention and SwiGLU in loops over scratch buffers the thread keeps.
+// pass is C++: the products over every row at once by nodraft::mm's kernel (gemm.h), the
+// norms, rotations, attention and SwiGLU in loops over scratch buffers each thread keeps.
 //
 //   h (T, C) float32: the block's residual stream before layer ``lo``;
 //   pos (T,) int64: each row's rotary position (a tree's nodes at one depth share one);
@@ -21,15 +23,16 @@
 //   cached rows [0, start) (None: causal).
 //
 // Returns the residual stream after the last layer (T, C) and the logits (T, V) (an empty
-// tensor without a head).
+// tensor without a head). ``packed_block`` takes the same per segment (below).
 //
-// **Batch-invariant.** A row's every sum runs in one order whatever T is: the products are
-// nodraft::mm's (one sum over k in order per element), the norms and attention are per
-// row, and a row attends to the rows it sees in the order they sit in the cache (its
-// block's rows are written there first). So a token gives the same bits whether its pass
-// is a lone decode step or a chain of drafts behind it, and a tree node the same as the
-// path it lies on, once accepted, would: speculative decoding of a lone sequence equals
-// plain decoding bit for bit.
+// **Batch-invariant.** A row's every sum runs in one order whatever else the pass carries:
+// the products are nodraft::mm's (one sum over k in order per element, whatever the row
+// count), the norms and attention are per row, and a row attends to the rows it sees in
+// the order they sit in its slot (its block's rows are written there first). So a token
+// gives the same bits whether its pass is a lone decode step, a chain of drafts behind it,
+// or a batch beside other sequences' blocks, and a tree node the same as the path it lies
+// on, once accepted, would: speculative decoding equals plain decoding, and batched
+// decoding lone decoding, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
