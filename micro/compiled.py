@@ -244,8 +244,7 @@ class CompiledPasses:
         written to its rows. None where the operator does not serve (``block_serves``:
         decided, never built here) or the cache is not the float32, contiguous one it
         reads."""
-        if not (self._block and cache.k.dtype == torch.float32 and cache.k.is_contiguous()
-                and cache.v.is_contiguous()):
+        if not (self._block and _block_reads(cache)):
             return None
         L = self.model.config.n_layers
         norms, mats = self._block_weights(0, L, True)
@@ -315,8 +314,7 @@ class CompiledPasses:
         a family not compiled yet compiles now (None: ``lazy``) -- the warm-up passes True
         for its own calls only, so a request served meanwhile on another thread never
         compiles."""
-        if self.block_serves(compile) and cache.k.dtype == torch.float32 \
-                and cache.k.is_contiguous() and cache.v.is_contiguous():
+        if self.block_serves(compile) and _block_reads(cache):
             return self._run_block(h, pos, lo, hi, cache, slot, start, mask, head)
         T = h.shape[0]
         if start < MIN_CONTEXT:
@@ -727,6 +725,12 @@ def _jsonable(family: tuple) -> list:
 def _from_json(items: list) -> tuple:
     return tuple(getattr(torch, x[1]) if isinstance(x, list) and x[:1] == ["dtype"]
                  else tuple(x) if isinstance(x, list) else x for x in items)
+
+
+def _block_reads(cache) -> bool:
+    """Whether ``cache`` is what nodraft::block reads: float32 keys and values, contiguous."""
+    return (cache.k.dtype == torch.float32 and cache.k.is_contiguous()
+            and cache.v.is_contiguous())
 
 
 def _offset0(x: Tensor) -> Tensor:

@@ -34,6 +34,7 @@ using nodraft_simd::dot;
 using nodraft_simd::exp_sum;
 using nodraft_simd::lanes;
 using nodraft_simd::load;
+using nodraft_simd::store_scaled;
 using nodraft_simd::sum;
 
 constexpr int64_t kMaxVectors = 16;
@@ -62,10 +63,7 @@ void attend_one(const float* q, const float* k, const float* v, const float* kc,
 #pragma GCC unroll 16
     for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(p, load<NV>(r, i, last), acc[i]);
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / total);
-#pragma GCC unroll 16
-  for (int i = 0; i < NV - 1; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(acc[i], inv));
-  _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));
+  store_scaled<NV>(acc, 1.0f / total, y, last);
 }
 
 // A hint: rows [0, n) of D floats, ``stride`` apart, towards L2 (the hardware prefetcher

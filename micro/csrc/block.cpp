@@ -57,6 +57,7 @@ using nodraft_simd::exp_sum;
 using nodraft_simd::exp_nonpositive;
 using nodraft_simd::lanes;
 using nodraft_simd::load;
+using nodraft_simd::store_scaled;
 using nodraft_simd::sum;
 
 constexpr int64_t kMaxVectors = 16;  // heads up to 128 wide
@@ -144,10 +145,7 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
 #pragma GCC unroll 16
     for (int u = 0; u < NV; ++u) acc[u] = _mm256_fmadd_ps(p, load<NV>(vr, u, last), acc[u]);
   }
-  const __m256 inv = _mm256_set1_ps(1.0f / total);
-#pragma GCC unroll 16
-  for (int u = 0; u < NV - 1; ++u) _mm256_storeu_ps(y + 8 * u, _mm256_mul_ps(acc[u], inv));
-  _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], inv));
+  store_scaled<NV>(acc, 1.0f / total, y, last);
 }
 
 // A hint: n floats from p towards L2, a line at a time (a slot's rows are a run of their

@@ -58,6 +58,15 @@ inline float dot(const __m256 (&q)[NV], const float* r, __m256i last) {
   return sum(acc);
 }
 
+// y = acc * scale over a row of D floats held as NV vectors, the last under ``last``
+template <int NV>
+inline void store_scaled(const __m256 (&acc)[NV], float scale, float* y, __m256i last) {
+  const __m256 s = _mm256_set1_ps(scale);
+#pragma GCC unroll 16
+  for (int i = 0; i < NV - 1; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(acc[i], s));
+  _mm256_maskstore_ps(y + 8 * (NV - 1), last, _mm256_mul_ps(acc[NV - 1], s));
+}
+
 // Softmax's numerators in place: s[i] = exp(s[i] - top) for i < n, and s[n, n rounded up to
 // 8) zeroed (``s`` holds n + 8 floats); returns their sum (eight lanes, then across them).
 inline float exp_sum(float* s, int64_t n, float top) {
