@@ -19,7 +19,7 @@ What makes it work (docs/ARCHITECTURE.md, "Compiled passes"):
   the (out, in) originals ``F.linear`` reads transposed.
 - **Products by nodraft::mm** (micro/gemm.py) where it builds: a few-row AVX-512 or AVX2
   kernel, cheaper than MKL's at 2-9 rows, and batch-invariant, over weights laid out for
-  it (``gemm.pack``: on AVX2, 16-column blocks); otherwise ``torch.mm``.
+  it (``gemm.pack``: 16-column blocks, each contiguous); otherwise ``torch.mm``.
 - **Attention is split at the cache boundary.** Scores against the cached rows and against
   the block itself (under the block's mask: causal for chains, the tree for trees) are
   soft-maxed together, then each part weights its own values. No concatenation of the

@@ -4,10 +4,10 @@ A decode step multiplies 1 row by each weight matrix; a verification pass 2-17. 
 sgemm, which ``torch.mm`` calls, is built for large products: a 2-row product costs far
 more than a 1-row one though every row reads the same weights. ``csrc/gemm.cpp`` holds a
 tile of a few rows by a block of columns in registers and reads each weight once for all
-of its rows: up to 6 rows by 64 columns on AVX-512, up to 6 rows by 16 columns on AVX2,
-where the compiled passes give it their weights packed (``pack``: each 16-column block
-contiguous, read in order, so a weight that is not in cache streams in instead of being
-fetched a 64-byte piece at a time). Whole compiled passes with each product, alternated in
+of its rows: up to 6 rows by 64 columns on AVX-512, up to 6 rows by 16 columns on AVX2.
+The compiled passes and nodraft's one-call passes give it their weights packed (``pack``:
+each 16-column block contiguous, read in order, so a weight that is not in cache streams
+in instead of being fetched a 64-byte piece of a long row at a time). Whole compiled passes with each product, alternated in
 one run: ``benchmarks/passes.py`` (docs/passes.json; docs/BENCHMARKS.md, "What a pass
 costs").
 
@@ -80,7 +80,7 @@ _state: dict[str, object] = {}  # "loaded": bool, "why": str
 # per vector unit: the extension's name (its own build folder) and compiler flags
 BUILDS = {"AVX512": (NAME, ["-O3", "-mavx512f", "-mfma"]),
           "AVX2": (NAME + "_avx2", ["-O3", "-mavx2", "-mfma"])}
-PACK = 16  # the AVX2 build's columns per block of a packed weight
+PACK = 16  # columns per block of a packed weight
 
 
 def _build() -> tuple[bool, str]:
@@ -155,10 +155,11 @@ def unit() -> str | None:
 
 
 def pack(w: Tensor) -> Tensor:
-    """A (K, N) weight as ``nodraft::mm`` reads it fastest: on the AVX2 build, (N / 16, K,
-    16), each block of 16 columns contiguous (float32, N a multiple of 16); otherwise ``w``
-    itself. Either way ``nodraft::mm(a, pack(w))`` equals ``nodraft::mm(a, w)`` bit for bit."""
-    if unit() != "AVX2" or w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % PACK:
+    """A (K, N) weight as ``nodraft::mm`` reads it fastest: (N / 16, K, 16), each block of
+    16 columns contiguous, once the library is loaded (float32, N a multiple of 16);
+    otherwise ``w`` itself. Either way ``nodraft::mm(a, pack(w))`` equals
+    ``nodraft::mm(a, w)`` bit for bit."""
+    if unit() is None or w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] % PACK:
         return w
     K, N = w.shape
     return w.detach().reshape(K, N // PACK, PACK).permute(1, 0, 2).contiguous()

@@ -15,8 +15,8 @@
 //   negated, so a rotation is x * cos + roll(x, D / 2) * sin);
 //   norms: per layer its attention norm's and feed-forward norm's weights (C,), then the
 //   final norm's weight when there is a head;
-//   mats: per layer wqkv (C, 3C), wo (C, C), w13 (C, 2F), w2 (F, C) in (in, out) layout
-//   (on the AVX2 build packed as (N / 16, K, 16), gemm.h), then the head (C, V) if any;
+//   mats: per layer wqkv (C, 3C), wo (C, C), w13 (C, 2F), w2 (F, C) in (in, out) layout,
+//   (K, N) or packed as (N / 16, K, 16) (gemm.h), then the head (C, V) if any;
 //   kc, vc (L, S, H, M, D) contiguous: the KV cache; the block's keys and values are
 //   written to rows [start, start + T) of ``slot`` in layers [lo, lo + n);
 //   mask (T, T) additive or None: which of the block's rows each row sees besides the
@@ -178,9 +178,6 @@ Mat mat(const at::Tensor& w, const char* what) {
   TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && (w.dim() == 2 || w.dim() == 3),
               "nodraft::block: ", what, " must be a contiguous float32 (K, N) or packed "
               "(N / 16, K, 16) weight, got ", w.sizes());
-#ifdef __AVX512F__
-  TORCH_CHECK(w.dim() == 2, "nodraft::block: packed weights are the AVX2 build's");
-#endif
   if (w.dim() == 3) {
     TORCH_CHECK(w.size(2) == 16, "nodraft::block: a packed weight is (N / 16, K, 16), got ",
                 w.sizes());

@@ -1,19 +1,19 @@
 // nodraft::mm -- C = A @ B for the few rows a decode or verification pass carries.
 //
-// A (M, K) float32, row-major; B a weight in (in, out) layout: (K, N) row-major, or (AVX2
-// build) packed as (N / 16, K, 16), each block of 16 columns contiguous (micro/gemm.py,
-// ``pack``). A tile of a few rows by a block of columns keeps its sums in vector registers
-// while it walks k = 0 .. K-1 once, reading each row of the block's B columns once for all
-// of its rows. MKL's sgemm, tuned for large M, costs ~2x more than this at 2-5 rows on
-// micro's shapes (benchmarks/passes.py; micro/gemm.py has the figures). Two builds:
+// A (M, K) float32, row-major; B a weight in (in, out) layout: (K, N) row-major, or packed
+// as (N / 16, K, 16), each block of 16 columns contiguous (micro/gemm.py, ``pack``). A
+// tile of a few rows by a block of columns keeps its sums in vector registers while it
+// walks k = 0 .. K-1 once, reading each row of the block's B columns once for all of its
+// rows. MKL's sgemm, tuned for large M, costs ~2x more than this at 2-5 rows on micro's
+// shapes (benchmarks/passes.py; micro/gemm.py has the figures). Two builds:
 //
-// - AVX-512 (-mavx512f): tiles of up to 6 rows by 64 columns, 24 registers of sums; B
-//   (K, N);
-// - AVX2 (-mavx2 -mfma): tiles of up to 6 rows by 16 columns, 12 registers of sums. Read
-//   from a (K, N) weight, each k of a block is a 64-byte piece of a row N floats long:
-//   a stride the hardware prefetcher does not follow across pages, so a weight not in
-//   cache is read at memory latency. Packed, a block is K * 64 contiguous bytes, read in
-//   order.
+// - AVX-512 (-mavx512f): tiles of up to 6 rows by 64 columns, 24 registers of sums;
+// - AVX2 (-mavx2 -mfma): tiles of up to 6 rows by 16 columns, 12 registers of sums.
+//
+// Read from a (K, N) weight, each k of a tile's block is a piece of a row N floats long: a
+// stride the hardware prefetcher does not follow across pages, so a weight not in cache is
+// read at memory latency. Packed, each 16-column block is K * 64 contiguous bytes, read in
+// order (the AVX-512 tile reads its four blocks as four such streams).
 //
 // Every C element is one sum over k in order 0 .. K-1 (one fused multiply-add per k),
 // whatever M is, however the columns are split between threads: a row's result does not
@@ -36,18 +36,22 @@ namespace {
 
 // The sums live in MR x NV registers: a one-dimensional array, fully unrolled -- GCC 12
 // keeps a two-dimensional one on the stack and stores it back every k (2x slower at 2 rows).
+// Vector v of row k of B's block is at b + v * vs + k * ldb: (K, N) row-major, vs 16 and
+// ldb N; packed, vs K * 16 and ldb 16 (four streams read in order).
 template <int MR, int NV>
-inline void tile(const float* a, int64_t K, const float* b, int64_t N, float* c,
-                 __mmask16 last) {
+inline void tile(const float* a, int64_t K, const float* b, int64_t ldb, int64_t vs, float* c,
+                 int64_t N, __mmask16 last) {
   __m512 acc[MR * NV];
 #pragma GCC unroll 32
   for (int i = 0; i < MR * NV; ++i) acc[i] = _mm512_setzero_ps();
+  const float* bv0[NV];
+#pragma GCC unroll 4
+  for (int v = 0; v < NV; ++v) bv0[v] = b + v * vs;
   for (int64_t k = 0; k < K; ++k) {
-    const float* bk = b + k * N;
     __m512 bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV - 1; ++v) bv[v] = _mm512_loadu_ps(bk + 16 * v);
-    bv[NV - 1] = _mm512_maskz_loadu_ps(last, bk + 16 * (NV - 1));
+    for (int v = 0; v < NV - 1; ++v) bv[v] = _mm512_loadu_ps(bv0[v] + k * ldb);
+    bv[NV - 1] = _mm512_maskz_loadu_ps(last, bv0[NV - 1] + k * ldb);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512 av = _mm512_set1_ps(a[m * K + k]);
@@ -64,27 +68,27 @@ inline void tile(const float* a, int64_t K, const float* b, int64_t N, float* c,
 }
 
 template <int NV>
-void rows(int64_t mr, const float* a, int64_t K, const float* b, int64_t N, float* c,
-          __mmask16 last) {
+void rows(int64_t mr, const float* a, int64_t K, const float* b, int64_t ldb, int64_t vs,
+          float* c, int64_t N, __mmask16 last) {
   switch (mr) {
-    case 6: tile<6, NV>(a, K, b, N, c, last); break;
-    case 5: tile<5, NV>(a, K, b, N, c, last); break;
-    case 4: tile<4, NV>(a, K, b, N, c, last); break;
-    case 3: tile<3, NV>(a, K, b, N, c, last); break;
-    case 2: tile<2, NV>(a, K, b, N, c, last); break;
-    default: tile<1, NV>(a, K, b, N, c, last); break;
+    case 6: tile<6, NV>(a, K, b, ldb, vs, c, N, last); break;
+    case 5: tile<5, NV>(a, K, b, ldb, vs, c, N, last); break;
+    case 4: tile<4, NV>(a, K, b, ldb, vs, c, N, last); break;
+    case 3: tile<3, NV>(a, K, b, ldb, vs, c, N, last); break;
+    case 2: tile<2, NV>(a, K, b, ldb, vs, c, N, last); break;
+    default: tile<1, NV>(a, K, b, ldb, vs, c, N, last); break;
   }
 }
 
 // One block of columns for all M rows: ceil(M / 6) tiles of near-equal height (7 rows as
 // 4 + 3, not 6 + 1: a short tile reads the block's weights for too few rows).
 template <int NV>
-void column(const float* a, int64_t M, int64_t K, const float* b, int64_t N, float* c,
-            __mmask16 last) {
+void column(const float* a, int64_t M, int64_t K, const float* b, int64_t ldb, int64_t vs,
+            float* c, int64_t N, __mmask16 last) {
   const int64_t tiles = (M + 5) / 6;
   for (int64_t t = 0, m = 0; t < tiles; ++t) {
     const int64_t mr = (M - m) / (tiles - t);
-    rows<NV>(mr, a + m * K, K, b, N, c + m * N, last);
+    rows<NV>(mr, a + m * K, K, b, ldb, vs, c + m * N, N, last);
     m += mr;
   }
 }
@@ -159,7 +163,6 @@ void gemm(const float* pa, int64_t M, int64_t K, const float* pb, int64_t N, boo
     return;
   }
 #ifdef __AVX512F__
-  (void)packed;
   const int64_t blocks = (N + 63) / 64;
   // at least ~256K multiply-adds per task: small products stay on the calling thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * 64));
@@ -168,11 +171,14 @@ void gemm(const float* pa, int64_t M, int64_t K, const float* pb, int64_t N, boo
       const int64_t n0 = j * 64, w = std::min<int64_t>(64, N - n0);
       const int64_t nv = (w + 15) / 16, tail = w - 16 * (nv - 1);
       const __mmask16 last = static_cast<__mmask16>(tail == 16 ? 0xFFFF : (1u << tail) - 1);
+      // packed: the block's four 16-column pieces, each K * 16 contiguous floats
+      const float* bj = packed ? pb + n0 * K : pb + n0;
+      const int64_t ldb = packed ? 16 : N, vs = packed ? K * 16 : 16;
       switch (nv) {
-        case 4: column<4>(pa, M, K, pb + n0, N, pc + n0, last); break;
-        case 3: column<3>(pa, M, K, pb + n0, N, pc + n0, last); break;
-        case 2: column<2>(pa, M, K, pb + n0, N, pc + n0, last); break;
-        default: column<1>(pa, M, K, pb + n0, N, pc + n0, last); break;
+        case 4: column<4>(pa, M, K, bj, ldb, vs, pc + n0, N, last); break;
+        case 3: column<3>(pa, M, K, bj, ldb, vs, pc + n0, N, last); break;
+        case 2: column<2>(pa, M, K, bj, ldb, vs, pc + n0, N, last); break;
+        default: column<1>(pa, M, K, bj, ldb, vs, pc + n0, N, last); break;
       }
     }
   });
@@ -202,14 +208,10 @@ at::Tensor mm(const at::Tensor& a_in, const at::Tensor& b_in) {
   TORCH_CHECK(a_in.dim() == 2 && (b_in.dim() == 2 || packed) &&
                   a_in.size(1) == b_in.size(packed ? 1 : 0),
               "nodraft::mm: expected (M, K) @ (K, N), got ", a_in.sizes(), " @ ", b_in.sizes());
-#ifdef __AVX512F__
-  TORCH_CHECK(!packed, "nodraft::mm: packed weights are the AVX2 build's (micro/gemm.py, pack)");
-#else
   TORCH_CHECK(!packed || b_in.size(2) == 16, "nodraft::mm: a packed weight is (N / 16, K, 16), got ",
               b_in.sizes());
   if (packed && (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat))
     return at::mm(a_in, b_in.permute({1, 0, 2}).reshape({b_in.size(1), -1}));
-#endif
   if (a_in.scalar_type() != at::kFloat || b_in.scalar_type() != at::kFloat)
     return at::mm(a_in, b_in);
   const at::Tensor a = a_in.contiguous();

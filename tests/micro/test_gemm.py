@@ -42,11 +42,8 @@ def test_a_packed_weight_gives_the_same_bits(M, K, blocks, seed):
     g = torch.Generator().manual_seed(seed)
     a, b = torch.randn(M, K, generator=g), torch.randn(K, gemm.PACK * blocks, generator=g)
     packed = gemm.pack(b)
-    if gemm.unit() == "AVX2":  # 16-column blocks, each contiguous
-        assert packed.shape == (blocks, K, gemm.PACK)
-        assert torch.equal(packed[1 % blocks], b[:, gemm.PACK * (1 % blocks):][:, :gemm.PACK])
-    else:
-        assert packed is b
+    assert packed.shape == (blocks, K, gemm.PACK)  # 16-column blocks, each contiguous
+    assert torch.equal(packed[1 % blocks], b[:, gemm.PACK * (1 % blocks):][:, :gemm.PACK])
     assert torch.equal(mm(a, packed), mm(a, b))
     torch.testing.assert_close(mm(a, packed), a @ b, rtol=1e-5, atol=1e-5 * K ** 0.5)
 
@@ -55,12 +52,11 @@ def test_weights_that_cannot_be_packed_are_left_as_they_are():
     b = torch.randn(160, 70)  # 70 columns: not whole blocks
     d = torch.randn(160, 32, dtype=torch.float64)  # whole blocks, but not float32
     assert gemm.pack(b) is b and gemm.pack(d) is d
-    if gemm.unit() == "AVX2":
-        with pytest.raises(RuntimeError, match="a packed weight is"):
-            mm(torch.randn(2, 160), torch.randn(4, 160, 8))
-        w = torch.randn(160, 32)  # a packed double weight: torch.mm's numbers
-        a = torch.randn(3, 160)
-        torch.testing.assert_close(mm(a.double(), gemm.pack(w).double()), a.double() @ w.double())
+    with pytest.raises(RuntimeError, match="a packed weight is"):
+        mm(torch.randn(2, 160), torch.randn(4, 160, 8))
+    w = torch.randn(160, 32)  # a packed double weight: torch.mm's numbers
+    a = torch.randn(3, 160)
+    torch.testing.assert_close(mm(a.double(), gemm.pack(w).double()), a.double() @ w.double())
 
 
 def test_threads_do_not_change_the_bits():
