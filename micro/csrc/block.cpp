@@ -113,18 +113,32 @@ inline void swiglu(const float* gate, const float* up, int64_t n, float* y) {
 // One row's attention in one head: q (D,), over the cache rows [0, start) of k, v (M, D)
 // and the block's rows start + j its ``mask`` row allows (null: j <= t), in cache order.
 // ``s`` holds at least start + T + 8 floats, ``rows`` T.
+//
+// ``next_k``, ``next_v``: the next task's keys and values (``next_lines`` 64-byte lines
+// each, or 0), hinted towards L2 a few lines per row as this one's rows are read: a slot's
+// rows are a run of their own, far from the last one's, where the hardware prefetcher
+// starts over. Spread, not in a burst at the task's start: hundreds of hints at once
+// stalled the pass (docs/BENCHMARKS.md, "The attention's prefetch, spread over the rows").
 template <int NV>
 void attend_row(const float* q, const float* k, const float* v, int64_t D, int64_t start,
                 int64_t T, int64_t t, const float* mask, float scale, __m256i last, float* s,
-                int64_t* rows, float* y) {
+                int64_t* rows, float* y, const char* next_k, const char* next_v,
+                int64_t next_lines) {
+  const int64_t per_row = (next_lines + start + T - 1) / std::max<int64_t>(1, start + T);
+  auto ahead = [&](const char* p, int64_t row) {
+    for (int64_t e = row * per_row, end = std::min(e + per_row, next_lines); e < end; ++e)
+      _mm_prefetch(p + 64 * e, _MM_HINT_T1);
+  };
   __m256 qv[NV];
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) qv[i] = _mm256_mul_ps(load<NV>(q, i, last), _mm256_set1_ps(scale));
   float top = kNegInf;
   for (int64_t r = 0; r < start; ++r) {
+    ahead(next_k, r);
     s[r] = dot<NV>(qv, k + r * D, last);
     top = std::max(top, s[r]);
   }
+  for (int64_t r = start; r < start + T; ++r) ahead(next_k, r);
   int64_t n = start, m = 0;
   for (int64_t j = 0; j < T; ++j) {
     const float add = mask ? mask[j] : (j <= t ? 0.0f : kNegInf);
@@ -140,23 +154,19 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
 #pragma GCC unroll 16
   for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
+    ahead(next_v, i);
     const __m256 p = _mm256_set1_ps(s[i]);
     const float* vr = v + (i < start ? i : rows[i - start]) * D;
 #pragma GCC unroll 16
     for (int u = 0; u < NV; ++u) acc[u] = _mm256_fmadd_ps(p, load<NV>(vr, u, last), acc[u]);
   }
+  for (int64_t i = n; i < start + T; ++i) ahead(next_v, i);
   store_scaled<NV>(acc, 1.0f / total, y, last);
 }
 
-// A hint: n floats from p towards L2, a line at a time (a slot's rows are a run of their
-// own, far from the last one's: the hardware prefetcher restarts at every page).
-inline void prefetch(const float* p, int64_t n) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t o = 0, bytes = 4 * n; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-}
-
 using RowKernel = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                           int64_t, const float*, float, __m256i, float*, int64_t*, float*);
+                           int64_t, const float*, float, __m256i, float*, int64_t*, float*,
+                           const char*, const char*, int64_t);
 
 template <int NV>
 RowKernel pick(int64_t nv) {
@@ -294,16 +304,19 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
         const int64_t t = r - g.off;
         const float* kl = kcp + (((l * S + g.slot) * H) + hh) * M * D;
         const float* vl = vcp + (((l * S + g.slot) * H) + hh) * M * D;
-        if (task + 1 < b) {  // the next task's rows on their way to L2 while this one runs
+        const char *nk = nullptr, *nv = nullptr;  // the next task's rows, if any
+        int64_t lines = 0;
+        if (task + 1 < b) {
           const int64_t r1 = (task + 1) / H, h1 = (task + 1) % H;
           const Segment& g1 = segs[seg_of[r1]];
-          const int64_t o1 = (((l * S + g1.slot) * H) + h1) * M * D, n1 = (g1.start + g1.T) * D;
-          prefetch(kcp + o1, n1);
-          prefetch(vcp + o1, n1);
+          const int64_t o1 = (((l * S + g1.slot) * H) + h1) * M * D;
+          nk = reinterpret_cast<const char*>(kcp + o1);
+          nv = reinterpret_cast<const char*>(vcp + o1);
+          lines = ((g1.start + g1.T) * D * 4 + 63) / 64;
         }
         attend(q + r * C + hh * D, kl, vl, D, g.start, g.T, t,
                g.mask ? g.mask + t * g.T : nullptr, scale, last, sc, picked.data(),
-               y + r * C + hh * D);
+               y + r * C + hh * D, nk, nv, lines);
       }
     });
     nodraft_kernels::gemm(y, N, C, wo.p, C, wo.packed, act);
