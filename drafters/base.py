@@ -27,6 +27,7 @@ is verified in one pass over [c, def, class, f, A] at positions n, n+1, n+1, n+2
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,6 +127,10 @@ class Draft:
     aux: AuxRows | None = None  # rows the pass runs for the drafter, verified by no one
 
     def __len__(self) -> int:
+        return self._size
+
+    @functools.cached_property
+    def _size(self) -> int:  # asked many times a step: the tensor's count, once
         return int(self.tokens.numel())
 
     @property

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch import Tensor
 
 from nodraft.drafters import costs
 from nodraft.drafters.base import Draft, DrafterEnv, has_hook
@@ -55,7 +56,7 @@ from nodraft.engine.prefix_cache import PrefixCache
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
 from nodraft.engine.stats import SpecStats
-from nodraft.engine.verify import SamplingParams, race_blocks, races_whole
+from nodraft.engine.verify import SamplingParams, greedy_tokens, race_blocks, races_whole
 
 log = logging.getLogger("nodraft.engine")
 
@@ -682,20 +683,35 @@ def _targets(jobs: list[tuple[Handle, Draft | None]], outputs: list
     out: list[list[int] | None] = [None] * len(jobs)
     if greedy:
         _scatter(out, greedy, [outputs[j][0].shape[0] for j in greedy],
-                 torch.cat([outputs[j][0] for j in greedy]).max(-1).indices.tolist())
+                 greedy_tokens(_joined([outputs[j][0] for j in greedy])))
     if racing:
         rows, noises, positions, sizes = [], [], [], []
         for j in racing:
             h, draft = jobs[j]
             n = len(draft) + 1
-            rows.append(outputs[j][0][:n])
+            lg = outputs[j][0]
+            rows.append(lg if lg.shape[0] == n else lg[:n])
             sizes.append(n)
             noises += [h.sequence.race_noise(draft)] * n
             start = len(h.sequence.tokens)
             positions += [start + d for d in (0, *draft.depths())]
         blocks = [(jobs[j][0].request.sampling, n) for j, n in zip(racing, sizes)]
-        _scatter(out, racing, sizes, race_blocks(torch.cat(rows), blocks, noises, positions))
+        _scatter(out, racing, sizes, race_blocks(_joined(rows), blocks, noises, positions))
     return out
+
+
+def _joined(rows: list[Tensor]) -> Tensor:
+    """The blocks' rows (T_i, V) as one (sum T_i, V) tensor: a view where they lie one after
+    another in one contiguous tensor (a packed pass's logits, each block a slice), else a
+    copy."""
+    first = rows[0]
+    if all(r.is_contiguous() for r in rows) and all(
+            b.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel()
+            for a, b in zip(rows, rows[1:])):
+        n = sum(r.shape[0] for r in rows)
+        return first.as_strided((n, first.shape[1]), first.stride(), first.storage_offset())
+    return torch.cat(rows)
 
 
 def _scatter(out: list, jobs: list[int], sizes: list[int], ids: list[int]) -> None:

@@ -273,6 +273,9 @@ class Sequence:
 
     def split(self, logits: Tensor, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Keep the aux rows' logits for the drafter; return the verified rows'."""
+        if logits.shape[0] == k + 1 and hidden.shape[0] == k + 1:  # no aux rows: as they are
+            self.ctx.aux_logits = None
+            return logits, hidden
         self.ctx.aux_logits = logits[k + 1:] if logits.shape[0] > k + 1 else None
         return logits[:k + 1], hidden[:k + 1]
 
@@ -289,7 +292,7 @@ class Sequence:
         if draft.parents is not None and path:  # move the accepted path's rows into place
             self.cache.move_rows(self.slot, [n + 1 + i for i in path], n + 1)
         self.cache.set_length(self.slot, n + 1 + len(path))
-        dtok = draft.tokens.tolist()
+        dtok = draft.tokens.tolist() if len(draft) else []
         accepted = [dtok[i] for i in path]
         method = draft.method or self.method
         plain_s = verify_s = 0.0
@@ -305,7 +308,8 @@ class Sequence:
         if features is not None:
             self.ctx.last_hidden = features
         else:
-            self.ctx.last_hidden = hidden[:1] if not path else hidden[[0, *(i + 1 for i in path)]]
+            self.ctx.last_hidden = (hidden if hidden.shape[0] == 1 else hidden[:1]) if not path \
+                else hidden[[0, *(i + 1 for i in path)]]
         emitted = accepted + [bonus]
         finish = None
         hit = next((i for i, t in enumerate(emitted) if t in self.stop_ids), None)
@@ -327,7 +331,7 @@ class Sequence:
             self._draft_s += time.perf_counter() - t0
         if finish is not None:
             self.finish(finish)
-        rejected = _rejected_branch(draft, path)
+        rejected = _rejected_branch(draft, path) if len(draft) else []
         lps = None
         if self.logprobs is not None and logits is not None:
             rows = [0, *(i + 1 for i in path)][:len(emitted)]
@@ -416,7 +420,7 @@ class Sequence:
         that the draft wrote (the same values, so the output is unchanged)."""
         n = self.cache.lengths[self.slot]
         if not len(draft) and not draft.n_aux:  # the current token alone: most of a batch
-            return Segment(self.slot, n, torch.tensor([self.tokens[-1]]), torch.tensor([n]))
+            return Segment(self.slot, n, [self.tokens[-1]], [n])
         ids, pos, mask = self.block(draft)
         return Segment(self.slot, n, ids, pos, mask)
 

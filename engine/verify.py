@@ -40,6 +40,7 @@ from torch import Tensor
 
 from nodraft.drafters.base import Draft
 from nodraft.engine.sampling import PositionNoise, kept_kernel, native, race, race_kernel, race_numpy
+from nodraft.micro import gemm
 
 
 GREEDY_BELOW = 1e-5  # temperatures this small are greedy (logits / 1e-300 overflow)
@@ -128,6 +129,15 @@ def scaled_logits(logits: Tensor, sp: SamplingParams) -> Tensor:
     return scaled
 
 
+def greedy_tokens(logits: Tensor) -> list[int]:
+    """Each row's argmax of ``logits`` (R, V): ``nodraft::argmax`` where nodraft's kernels
+    are loaded (the same tokens as ``torch.argmax``, the first of equal maxima, without its
+    scalar reduction), else torch's."""
+    if gemm.unit() is not None and logits.dtype == torch.float32:
+        return torch.ops.nodraft.argmax.default(logits)
+    return logits.argmax(-1).tolist()
+
+
 def race_rows(logits: Tensor, sp: SamplingParams, noise: PositionNoise,
               positions: list[int]) -> list[int]:
     """The race's token at each row of ``logits`` (R, V), row r predicting sequence
@@ -211,7 +221,7 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
         if targets is not None:                                     # own token
             return [], targets[0]
         if sp.greedy:
-            return [], int(logits[0].argmax())
+            return [], greedy_tokens(logits[:1])[0]
         return [], race_rows(logits, sp, noise, [pos])[0]
     tokens = draft.tokens.tolist()
     children = children_of(draft) if len(tokens) else [[]]
@@ -219,7 +229,7 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
     row = 0
     if sp.greedy or noise is not None:  # walk to the child that is the target's own token
         if targets is None and sp.greedy:
-            targets = logits.argmax(-1).tolist()
+            targets = greedy_tokens(logits)
         elif targets is None and races_whole(len(tokens), sp):  # every row's race in one call
             depth = [0, *draft.depths()] if tokens else [0]
             targets = race_rows(logits, sp, noise, [pos + d for d in depth])

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nodraft.micro import gemm
-from nodraft.micro.ops import additive_mask, apply_rope
+from nodraft.micro.ops import additive_mask, apply_rope, cat_ints
 
 
 
@@ -249,8 +249,8 @@ class CompiledPasses:
         L = self.model.config.n_layers
         norms, mats = self._block_weights(0, L, True)
         dtype = self.model.tok_embeddings.weight.dtype
-        ids = torch.cat([s.ids for s in segments])
-        pos = torch.cat([s.pos for s in segments])
+        ids = cat_ints([s.ids for s in segments])
+        pos = cat_ints([s.pos for s in segments])
         masks = [None if s.mask is None else additive_mask(s.mask, dtype) for s in segments]
         h, logits = torch.ops.nodraft.packed_block.default(
             self.model.embed(ids), pos, self.model.rope_cos, self.model.rope_sin, norms, mats,
@@ -465,8 +465,8 @@ class CompiledPasses:
             dest[offsets[i]] = s.slot - lo
         ctx1 = max(max(starts1), MIN_CONTEXT)
         k1, v1 = cache.k[:, lo:hi, :, :ctx1], cache.v[:, lo:hi, :, :ctx1]
-        ids = torch.cat([s.ids for s in segments])
-        pos = torch.cat([s.pos for s in segments])
+        ids = cat_ints([s.ids for s in segments])
+        pos = cat_ints([s.pos for s in segments])
         src1_t, starts1_t = torch.tensor(src1), torch.tensor(starts1)
         args = [ids, pos, src1_t, starts1_t, k1, v1]
         dynamic = [(ids, 0), (pos, 0), (src1_t, 0), (starts1_t, 0),

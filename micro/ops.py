@@ -30,3 +30,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     bit for bit, in two fewer operations (chunk, neg, cat become one roll).
     x: (..., D); cos, sin broadcast to it."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def cat_ints(parts: list) -> Tensor:
+    """int64 pieces -- Python lists or 1-D tensors, in any mix -- as one int64 tensor, in
+    order: a batch's one-row blocks carry their token and position as lists (no tensor
+    each), drafted blocks and prompts' chunks as tensors."""
+    if all(isinstance(p, list) for p in parts):
+        return torch.tensor([x for p in parts for x in p], dtype=torch.long)
+    flat: list[int] = []
+    for p in parts:
+        flat += p if isinstance(p, list) else p.tolist()
+    return torch.tensor(flat, dtype=torch.long)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.ops import apply_rope
+from nodraft.micro.ops import apply_rope, cat_ints
 
 
 @dataclass
@@ -23,13 +23,13 @@ class Segment:
 
     slot: int
     start: int
-    ids: Tensor  # (T,) int64
-    pos: Tensor  # (T,) int64
+    ids: Tensor | list[int]  # (T,) int64, or a list (a one-row block: no tensor of its own)
+    pos: Tensor | list[int]  # (T,) int64, or a list
     mask: Tensor | None = None
     logits: bool = True
 
     def __len__(self) -> int:
-        return int(self.ids.numel())
+        return len(self.ids)
 
 
 NARROW = 16  # segments up to this many rows share one padded attention call
@@ -142,7 +142,8 @@ def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
                 out[i] = o
     for i, s in enumerate(segments):
         if out[i] is None and not s.logits:
-            hidden = compiled.prefill(model.embed(s.ids), cache, s.slot, start=s.start)
+            hidden = compiled.prefill(model.embed(cat_ints([s.ids])), cache, s.slot,
+                                      start=s.start)
             if hidden is not None:
                 out[i] = (None, hidden)
     rest = [i for i in range(len(segments)) if out[i] is None]
@@ -156,8 +157,8 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
            ) -> list[tuple[Tensor | None, Tensor]]:
     c = model.config
     H, D = c.n_heads, c.head_dim
-    ids = torch.cat([s.ids for s in segments])
-    pos = torch.cat([s.pos for s in segments])
+    ids = cat_ints([s.ids for s in segments])
+    pos = cat_ints([s.pos for s in segments])
     N = ids.numel()
     slot_idx = torch.tensor([s.slot for s in segments for _ in range(len(s))])
     row_idx = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])

@@ -1,4 +1,5 @@
-"""``nodraft::race`` (micro/csrc/race.cpp), the race ``engine.sampling.race`` runs where
+"""``nodraft::argmax`` (micro/csrc/race.cpp), greedy's tokens: torch.argmax's, the first of
+equal maxima. ``nodraft::race``, the race ``engine.sampling.race`` runs where
 nodraft's kernels are loaded: the same noise as the numpy race (SHAKE256, bit for bit), the
 same tokens but where float32 rounding ties two ratios, the target's distribution, and each
 row's token independent of the rest of the call. And ``nodraft::kept``, top-k and top-p's
@@ -217,3 +218,25 @@ def test_the_filtered_race_samples_the_filtered_distribution():
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     assert chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 4096), (32, 4096), (3, 7), (5, 13), (2, 8), (0, 9)])
+def test_argmax_gives_torchs_tokens(rows, vocab):
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows * vocab))
+    assert torch.ops.nodraft.argmax.default(x) == x.argmax(-1).tolist()
+    assert verify.greedy_tokens(x) == x.argmax(-1).tolist()
+
+
+def test_argmax_ties_infinities_nans_and_views():
+    x = torch.zeros(3, 4096)
+    x[0, 100] = x[0, 3000] = 5.0  # equal maxima: the first
+    x[1, 4090] = x[1, 4095] = 1.0  # in the last eight
+    x[2] = float("-inf")  # nothing finite: the first
+    assert torch.ops.nodraft.argmax.default(x) == [100, 4090, 0] == x.argmax(-1).tolist()
+    y = torch.randn(2, 30, generator=torch.Generator().manual_seed(1))
+    y[1, 17] = float("nan")  # torch's answer for a row with a NaN
+    assert torch.ops.nodraft.argmax.default(y) == y.argmax(-1).tolist()
+    z = torch.randn(4, 4096, generator=torch.Generator().manual_seed(2))[:, ::2]  # a view
+    assert torch.ops.nodraft.argmax.default(z) == z.argmax(-1).tolist()
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.nodraft.argmax.default(z.double())
