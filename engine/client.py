@@ -50,12 +50,14 @@ class Observer(Protocol):
     def begin(self, rid: int, request: GenerationRequest, submitted: float) -> None: ...
     def observe(self, rid: int, event: Event) -> None: ...
     def on_queue(self, running: int, waiting: int) -> None: ...
+    def flush(self) -> None: ...  # a batch of events observed: bring the figures up to date
 
 
 class _NoObserver:
     def begin(self, rid, request, submitted): ...
     def observe(self, rid, event): ...
     def on_queue(self, running, waiting): ...
+    def flush(self): ...
 
 
 class EngineClient(abc.ABC):
@@ -215,6 +217,7 @@ class MPClient(EngineClient):
             if event.kind in ("finish", "error"):
                 del self._requests[rid]
             deliver(event)
+        self.observer.flush()
         if not self._requests:
             self._idle.set()
 
@@ -277,6 +280,7 @@ class InprocClient(EngineClient):
         def on_event(event: Event) -> None:  # on the engine thread
             observer.observe(rid, event)
             if event.kind in ("finish", "error"):
+                observer.flush()  # (steps' figures reach the counters at ends and scrapes)
                 handles.pop(rid, None)
             try:
                 pump.post(deliver, event)

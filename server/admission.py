@@ -119,3 +119,8 @@ class Observers:
     def on_queue(self, running: int, waiting: int) -> None:
         for o in self.observers:
             o.on_queue(running, waiting)
+
+    def flush(self) -> None:
+        for o in self.observers:
+            if hasattr(o, "flush"):
+                o.flush()

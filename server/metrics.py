@@ -30,13 +30,17 @@ step, as the step's gap divided by its tokens (so its mean is seconds per token,
 speculation shows in it); end-to-end from submission to the end of the sequence.
 
 ``observe`` is called by the engine client for every event, on one thread at a time per
-request; prometheus_client's metrics are thread-safe.
+request. A step's counter increments are added up here and reach the counters at
+``flush`` -- after each batch of the engine's outputs (``MPClient``), and before every
+scrape (``render``) -- so a batch of 32 streams' steps costs each counter one locked
+increment, not 32; the latency histograms are observed at once.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge,
@@ -132,6 +136,9 @@ class Metrics:
         # each metric's child per label values, looked up once: ``labels()`` takes a lock
         # and builds its key, ~10 times a step otherwise (children are never removed)
         self._children: dict[tuple, Any] = {}
+        self._pending: dict[Any, float] = {}  # counter child -> increment not yet made
+        self._lock = threading.Lock()  # the pending increments: the engine's thread adds
+        # them under ``--engine-process false``, the event loop flushes them
 
     def _child(self, metric, *labels: str):
         key = (metric, labels)
@@ -146,7 +153,23 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
+        self.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def flush(self) -> None:
+        """Make the counter increments the steps observed so far."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for child, amount in pending.items():
+            if amount > 0:
+                child.inc(amount)
+
+    def _add(self, metric, labels: tuple, amount: float) -> None:
+        """An increment of ``metric{labels}`` for the next ``flush`` (caller holds the lock);
+        the series exists from its first step on, at 0 if nothing was added."""
+        child = self._child(metric, *labels)
+        if amount > 0:
+            self._pending[child] = self._pending.get(child, 0.0) + amount
 
     # -- the engine's events ----------------------------------------------------------------
     def on_queue(self, running: int, waiting: int) -> None:
@@ -178,53 +201,65 @@ class Metrics:
     def _step(self, progress: _Progress, step, at: float | None) -> None:
         """``at``: when the engine had the step ready (``Event.at``); its arrival here
         may be later, several steps at once (``--stream-interval-ms``)."""
-        model = progress.request.model
-        if step.cached_tokens is not None:  # the first step: the prompt's prefill
-            self._child(self.prefix_cache_queries, model).inc(len(progress.request.prompt))
-            self._child(self.prefix_cache_hits, model).inc(step.cached_tokens)
+        model, method = progress.request.model, step.method
         if step.tokens:
             now = time.monotonic() if at is None else at
             n = len(step.tokens)
-            self._child(self.generation_tokens, model, step.method).inc(n)
             if progress.last_token_at is None:
-                self._child(self.ttft, model, step.method).observe(now - progress.submitted)
+                self._child(self.ttft, model, method).observe(now - progress.submitted)
             else:
                 per_token = (now - progress.last_token_at) / n
-                itl = self._child(self.itl, model, step.method)
+                itl = self._child(self.itl, model, method)
                 for _ in range(n):
                     itl.observe(per_token)
             progress.last_token_at = now
-        if progress.request.method == "auto":
-            self._child(self.auto_choices, model, step.method).inc()
-        after = replace(progress.seen.get(step.method) or SpecStats(step.method))
-        after.accepted_by_position = list(after.accepted_by_position)
-        after.record(len(step.draft), step.accepted, step.cost, step.plain_seconds,
-                     step.verify_seconds, step.draft_seconds)
-        self._export(progress, step.method, after)
-        self._errors(progress, step.drafter_errors)
+        seen = progress.seen.get(method)
+        if seen is None:
+            seen = progress.seen[method] = SpecStats(method)
+        drafted = len(step.draft)
+        seen.record(drafted, step.accepted, step.cost, step.plain_seconds,
+                    step.verify_seconds, step.draft_seconds)
+        labels = (model, method)
+        with self._lock:
+            if step.cached_tokens is not None:  # the first step: the prompt's prefill
+                self._add(self.prefix_cache_queries, (model,), len(progress.request.prompt))
+                self._add(self.prefix_cache_hits, (model,), step.cached_tokens)
+            self._add(self.generation_tokens, labels, len(step.tokens))
+            if progress.request.method == "auto":
+                self._add(self.auto_choices, labels, 1)
+            self._add(self.draft_tokens, labels, drafted)
+            self._add(self.accepted_tokens, labels, step.accepted)
+            self._add(self.target_passes, labels, 1)
+            self._add(self.draft_cost, labels, step.cost)
+            self._add(self.plain_seconds, labels, step.plain_seconds)
+            self._add(self.verify_seconds, labels, step.verify_seconds)
+            self._add(self.draft_seconds, labels, step.draft_seconds)
+            for pos in range(step.accepted):
+                self._add(self.accepted_per_position, (*labels, str(pos)), 1)
+            self._add(self.drafter_errors, (progress.request.method,),
+                      step.drafter_errors - progress.errors)
+        progress.errors = max(progress.errors, step.drafter_errors)
 
     def _export(self, progress: _Progress, method: str, now: SpecStats) -> None:
-        """Add what one method's figures gained since the last export."""
+        """Add what one method's figures gained beyond what its steps exported (a request's
+        totals at its end)."""
         before = progress.seen.get(method) or SpecStats(method)
         labels = (progress.request.model, method)
-        _inc(self._child(self.draft_tokens, *labels), now.drafted - before.drafted)
-        _inc(self._child(self.accepted_tokens, *labels), now.accepted - before.accepted)
-        _inc(self._child(self.target_passes, *labels), now.target_passes - before.target_passes)
-        _inc(self._child(self.draft_cost, *labels), now.draft_cost - before.draft_cost)
-        _inc(self._child(self.plain_seconds, *labels), now.plain_seconds - before.plain_seconds)
-        _inc(self._child(self.verify_seconds, *labels), now.verify_seconds - before.verify_seconds)
-        _inc(self._child(self.draft_seconds, *labels), now.draft_seconds - before.draft_seconds)
-        old = before.accepted_by_position
-        for pos, count in enumerate(now.accepted_by_position):
-            gained = count - (old[pos] if pos < len(old) else 0)
-            _inc(self._child(self.accepted_per_position, *labels, str(pos)), gained)
+        with self._lock:
+            self._add(self.draft_tokens, labels, now.drafted - before.drafted)
+            self._add(self.accepted_tokens, labels, now.accepted - before.accepted)
+            self._add(self.target_passes, labels, now.target_passes - before.target_passes)
+            self._add(self.draft_cost, labels, now.draft_cost - before.draft_cost)
+            self._add(self.plain_seconds, labels, now.plain_seconds - before.plain_seconds)
+            self._add(self.verify_seconds, labels, now.verify_seconds - before.verify_seconds)
+            self._add(self.draft_seconds, labels, now.draft_seconds - before.draft_seconds)
+            old = before.accepted_by_position
+            for pos, count in enumerate(now.accepted_by_position):
+                self._add(self.accepted_per_position, (*labels, str(pos)),
+                          count - (old[pos] if pos < len(old) else 0))
         progress.seen[method] = now
 
     def _errors(self, progress: _Progress, errors: int) -> None:
-        _inc(self._child(self.drafter_errors, progress.request.method), errors - progress.errors)
+        with self._lock:
+            self._add(self.drafter_errors, (progress.request.method,), errors - progress.errors)
         progress.errors = max(progress.errors, errors)
-
-
-def _inc(counter, amount: float) -> None:
-    if amount > 0:
-        counter.inc(amount)
