@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 try:
-    from checkouts import checkout_env  # run as a script
+    from checkouts import alternate  # run as a script
 except ImportError:  # imported as benchmarks.block_ab
-    from benchmarks.checkouts import checkout_env
+    from benchmarks.checkouts import alternate
 
 SHAPES = [(1, 1, 300), (8, 1, 100), (8, 1, 300), (32, 1, 100), (32, 1, 300), (8, 5, 100)]
 RUN, RUNS = 10, 9
@@ -52,7 +51,8 @@ def worker(model_name: str) -> None:
 
     torch.set_num_threads(1)
     if not gemm.load():
-        print(json.dumps({"error": gemm.why()}), flush=True)
+        print(json.dumps({"error": f"nodraft's kernels are unavailable: {gemm.why()}"}),
+              flush=True)
         return
     model = load_model(model_name)
     c = model.config
@@ -109,28 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     cmd = ["taskset", "-c", str(last), sys.executable, os.path.abspath(__file__), "--worker",
            "--before", args.before, "--model", args.model]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    envs = {"after": checkout_env(here), "before": checkout_env(args.before)}
-    workers = {}
-    for name, env in envs.items():  # one at a time: each may build its library first
-        w = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-        first = json.loads(w.stdout.readline())
-        if "error" in first:
-            sys.exit(f"{name}: nodraft's kernels are unavailable: {first['error']}")
-        workers[name] = w
-    times: dict[str, dict[str, list[float]]] = {n: {} for n in workers}
-    try:
-        for r in range(args.rounds):
-            for name in (["after", "before"] if r % 2 == 0 else ["before", "after"]):
-                w = workers[name]
-                w.stdin.write("round\n")
-                w.stdin.flush()
-                for shape, us in json.loads(w.stdout.readline()).items():
-                    times[name].setdefault(shape, []).append(us)
-    finally:
-        for w in workers.values():
-            w.stdin.close()
-            w.wait(timeout=60)
+    answers = alternate(cmd, {"after": here, "before": args.before}, args.rounds)
+    times: dict[str, dict[str, list[float]]] = {n: {} for n in answers}
+    for name, rounds in answers.items():
+        for got in rounds:
+            for shape, us in got.items():
+                times[name].setdefault(shape, []).append(us)
     rows = []
     print("| pass | after us | before us | after / before |\n|---|---|---|---|")
     for shape in times["after"]:

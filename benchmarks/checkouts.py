@@ -50,3 +50,40 @@ def imported_from(env: dict, module: str = "nodraft.server.cli") -> Path:
     out = subprocess.run([sys.executable, "-c", f"import {module} as m; print(m.__file__)"],
                          env=env, capture_output=True, text=True, check=True)
     return Path(out.stdout.strip()).resolve()
+
+
+def alternate(cmd: list[str], checkouts: dict[str, str | os.PathLike], rounds: int
+              ) -> dict[str, list[dict]]:
+    """``cmd`` run once per named checkout (under its ``checkout_env``) as a worker that
+    first prints one JSON line -- ``{"error": why}`` if it cannot serve -- then answers each
+    line it reads with one JSON line; each worker asked ``rounds`` times, the order of the
+    checkouts alternated round by round (first to last, then last to first). Returns each
+    checkout's answers in order; raises SystemExit with a worker's error."""
+    import json
+    import subprocess
+
+    workers = {}
+    try:
+        for name, checkout in checkouts.items():  # one at a time: each may build first
+            w = subprocess.Popen(cmd, env=checkout_env(checkout), stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+            workers[name] = w
+            first = json.loads(w.stdout.readline() or '{"error": "the worker exited"}')
+            if "error" in first:
+                raise SystemExit(f"{name}: {first['error']}")
+        answers: dict[str, list[dict]] = {name: [] for name in workers}
+        order = list(workers)
+        for r in range(rounds):
+            for name in (order if r % 2 == 0 else order[::-1]):
+                w = workers[name]
+                w.stdin.write("round\n")
+                w.stdin.flush()
+                answers[name].append(json.loads(w.stdout.readline()))
+        return answers
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+            try:
+                w.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                w.kill()

@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 try:
-    from checkouts import checkout_env  # run as a script
+    from checkouts import alternate  # run as a script
 except ImportError:  # imported as benchmarks.step_overhead
-    from benchmarks.checkouts import checkout_env
+    from benchmarks.checkouts import alternate
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -106,26 +105,7 @@ def main(argv: list[str] | None = None) -> None:
            "--before", args.before, "--streams", str(args.streams), "--method", args.method,
            "--temperature", str(args.temperature)]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    workers = {}
-    for name, checkout in (("after", here), ("before", args.before)):
-        w = subprocess.Popen(cmd, env=checkout_env(checkout), stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
-        got = json.loads(w.stdout.readline())
-        if "error" in got:
-            sys.exit(f"{name}: {got['error']}")
-        workers[name] = w
-    rounds: dict[str, list[dict]] = {n: [] for n in workers}
-    try:
-        for r in range(args.rounds):
-            for name in (["after", "before"] if r % 2 == 0 else ["before", "after"]):
-                w = workers[name]
-                w.stdin.write("round\n")
-                w.stdin.flush()
-                rounds[name].append(json.loads(w.stdout.readline()))
-    finally:
-        for w in workers.values():
-            w.stdin.close()
-            w.wait(timeout=120)
+    rounds = alternate(cmd, {"after": here, "before": args.before}, args.rounds)
     out = {"streams": args.streams, "method": args.method, "temperature": args.temperature,
            "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "before": args.before}
