@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
                         fns[k]()
                     times[k].append((time.perf_counter() - t0) / RUN * 1e6)
             med = {k: statistics.median(v) for k, v in times.items()}
-            row = {"shape": label, "us": med, "spread_us": {k: [min(v), max(v)] for k, v in times.items()},
+            row = {"shape": label, "us": med,
+                   "spread_us": {k: [min(v), max(v)] for k, v in times.items()},
                    "packed_over_kn": med["packed"] / med["(K, N)"]}
             results["warm"].append(row)
             print(f"{label}: (K, N) {med['(K, N)']:.0f} us, packed {med['packed']:.0f} us, "
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
                 cold[k].append((time.perf_counter() - t0) * 1e6)
         med = {k: statistics.median(v) for k, v in cold.items()}
         results["cold"] = {"shape": "decode, 50 cached, after 25 ms asleep", "us": med,
-                           "n": len(cold["packed"]), "packed_over_kn": med["packed"] / med["(K, N)"]}
+                           "n": len(cold["packed"]),
+                           "packed_over_kn": med["packed"] / med["(K, N)"]}
         print(f"cold decode: (K, N) {med['(K, N)']:.0f} us, packed {med['packed']:.0f} us, "
               f"packed / (K, N) {med['packed'] / med['(K, N)']:.2f}", flush=True)
     if args.out:
