@@ -29,8 +29,10 @@ import time
 
 try:
     from checkouts import alternate  # run as a script
+    from weight_layout import weights
 except ImportError:  # imported as benchmarks.block_ab
     from benchmarks.checkouts import alternate
+    from benchmarks.weight_layout import weights
 
 SHAPES = [(1, 1, 300), (8, 1, 100), (8, 1, 300), (32, 1, 100), (32, 1, 300), (8, 5, 100)]
 RUN, RUNS = 10, 9
@@ -56,14 +58,7 @@ def worker(model_name: str) -> None:
         return
     model = load_model(model_name)
     c = model.config
-    norms, mats = [], []
-    for layer in model.layers:
-        norms += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
-        mats += [gemm.pack(w.weight.detach().t().contiguous())
-                 for w in (layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13,
-                           layer.feed_forward.w2)]
-    norms.append(model.norm.weight.detach())
-    mats.append(gemm.pack(model.tok_embeddings.weight.detach().t().contiguous()))  # tied head
+    norms, mats = weights(model, packed=True)
     cache = KVCache(c, 64)
     g = torch.Generator().manual_seed(0)
     cache.k.normal_(generator=g)

@@ -101,6 +101,9 @@ class Admission:
     def on_queue(self, running: int, waiting: int) -> None:
         pass
 
+    def flush(self) -> None:
+        pass
+
 
 class Observers:
     """Several engine-client observers as one, called in order."""
@@ -122,5 +125,4 @@ class Observers:
 
     def flush(self) -> None:
         for o in self.observers:
-            if hasattr(o, "flush"):
-                o.flush()
+            o.flush()

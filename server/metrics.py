@@ -236,9 +236,7 @@ class Metrics:
             self._add(self.draft_seconds, labels, step.draft_seconds)
             for pos in range(step.accepted):
                 self._add(self.accepted_per_position, (*labels, str(pos)), 1)
-            self._add(self.drafter_errors, (progress.request.method,),
-                      step.drafter_errors - progress.errors)
-        progress.errors = max(progress.errors, step.drafter_errors)
+        self._errors(progress, step.drafter_errors)
 
     def _export(self, progress: _Progress, method: str, now: SpecStats) -> None:
         """Add what one method's figures gained beyond what its steps exported (a request's
