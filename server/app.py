@@ -21,13 +21,13 @@ last for this one (``Settings.cores``). ``/`` serves the playground page (plain 
 - ``--max-body-bytes``: larger bodies get a 413; a body must arrive within
   ``--body-timeout-seconds`` of its headers (else 408). CORS is off unless
   ``--cors-origins``.
-- Connections (``GuardedH11Protocol``, uvicorn's h11 protocol with two guards): a
+- Connections (``GuardedH11Protocol``, uvicorn's h11 protocol with three guards): a
   request's headers must arrive within ``--header-timeout-seconds`` of the connection's
   opening or of the previous response's end (else a 408 and the connection is closed); a
   request on a connection beyond ``--max-connections`` open ones gets a 503 and its
   connection is closed; an idle keep-alive connection closes after
-  ``--keep-alive-seconds`` (uvicorn's ``timeout_keep_alive``); headers are limited to
-  h11's 16 KiB.
+  ``--keep-alive-seconds`` (uvicorn's ``timeout_keep_alive``); a request line and
+  headers over 16 KiB get a 431 and the connection is closed.
 - Every error is an OpenAI error body (``server.errors``); generation requests are counted
   in ``nodraft_requests_total{endpoint,method,status}``; a client that goes away before
   its response is complete, while uploading its body included, counts as 499.
@@ -83,6 +83,7 @@ log = logging.getLogger("nodraft.server")
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after draining: for responses still being written
 STATIC = Path(__file__).parent / "static"  # the playground page (issue 9)
+MAX_HEADER_BYTES = 16 * 1024  # a request line and headers larger get a 431
 INLINE_TEXT_BYTES = 512  # text work this small runs on the event loop (``Service.text_work``)
 T = TypeVar("T")
 
@@ -394,7 +395,7 @@ class DrainingServer(uvicorn.Server):
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with the two guards uvicorn lacks (``configured`` sets them):
+    """uvicorn's h11 protocol, with the guards uvicorn lacks (``configured`` sets them):
 
     - ``header_timeout``: a request's headers must be complete within this many seconds of
       the connection's opening or of the previous response's end, else the server answers
@@ -402,11 +403,15 @@ class GuardedH11Protocol(H11Protocol):
       them holds a connection as long as it likes);
     - ``max_connections``: a request on a connection beyond this many open ones gets an
       OpenAI 503 (``Retry-After: 1``) and its connection is closed (uvicorn's own
-      ``limit_concurrency`` answers in plain text).
+      ``limit_concurrency`` answers in plain text);
+    - a request line and headers over ``MAX_HEADER_BYTES`` get an OpenAI 431 and the
+      connection is closed, however they arrive (h11 buffers at most 16 KiB of an
+      unfinished head, but passes a larger one that arrives in one piece).
     """
 
     header_timeout = 10.0
     max_connections = 512
+    _head_bytes = 0  # of the request line and headers arriving
 
     @classmethod
     def configured(cls, settings: Settings) -> type["GuardedH11Protocol"]:
@@ -435,10 +440,22 @@ class GuardedH11Protocol(H11Protocol):
         self._await_headers()
 
     def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # a head arriving: count it to its blank line
+            end = data.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else end + 4
+            if self._head_bytes > MAX_HEADER_BYTES:
+                self._headers_done()
+                self._reply_and_close(431, "Request Header Fields Too Large", error_body(
+                    f"the request line and headers are over {MAX_HEADER_BYTES} bytes",
+                    "invalid_request_error", code="headers_too_large"))
+                return
         super().data_received(data)
+        if self.transport.is_closing():
+            return
         if self.conn.their_state is h11.IDLE:  # no request yet, or its headers unfinished
             self._await_headers()
         else:
+            self._head_bytes = 0
             self._headers_done()
 
     def on_response_complete(self) -> None:
@@ -463,12 +480,17 @@ class GuardedH11Protocol(H11Protocol):
         self._header_timer = None
         if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
             return
-        body = JSONResponse(error_body(
+        self._reply_and_close(408, "Request Timeout", error_body(
             f"the request's headers did not arrive within {self.header_timeout:g} s",
-            "invalid_request_error", code="request_timeout")).body
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json"
-                             b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                             % (len(body), body))
+            "invalid_request_error", code="request_timeout"))
+
+    def _reply_and_close(self, status: int, reason: str, error: dict) -> None:
+        """An OpenAI error body written straight to the connection, which is then closed:
+        for a request that never reached the application."""
+        body = JSONResponse(error).body
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                             % (status, reason.encode(), len(body), body))
         self.transport.close()
 
 

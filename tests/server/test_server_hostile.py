@@ -324,3 +324,27 @@ def test_connections_beyond_the_cap_get_503(serve_checkpoints):
             for s in held:
                 s.close()
         assert wait_for(lambda: httpx.get(g.url + "/health", timeout=5).status_code == 200)
+
+
+def test_oversized_headers_are_refused_and_the_server_goes_on(serve_checkpoints):
+    """A request line and headers over 16 KiB get an OpenAI 431 and the connection is
+    closed, whether they arrive whole or in pieces; a head within the limit, and a body
+    larger than it, are served."""
+    settings = Settings(checkpoints=serve_checkpoints)
+    big = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000
+    with Guarded(settings) as g:
+        for pieces in ([big + b"\r\n\r\n"], [big[:9000], big[9000:], b"\r\n\r\n"]):
+            with g.connect() as s:
+                for piece in pieces:
+                    s.sendall(piece)
+                    time.sleep(0.05)
+                data, took = read_all(s)
+            assert data.startswith(b"HTTP/1.1 431 "), data[:200]
+            body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+            assert body["error"]["code"] == "headers_too_large" and took < 2
+        r = httpx.get(g.url + "/health", headers={"x-big": "a" * 12_000}, timeout=5)
+        assert r.status_code == 200
+        # a body past 16 KiB is no head: it reaches the route (a 400 for its content)
+        r = httpx.post(g.url + "/v1/completions", json={"model": "nope", "prompt": "a" * 40_000},
+                       timeout=5)
+        assert r.status_code != 431 and r.status_code < 500, r.text[:200]
