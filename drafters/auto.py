@@ -65,13 +65,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
-                                  close_drafter, has_hook, tree_depths)
+from nodraft.drafters.base import (NOT_LOOKED, Draft, DraftContext, DrafterBase, DrafterEnv,
+                                  SpeculationError, close_drafter, has_hook, tree_depths)
 from nodraft.drafters.registry import Registry
 from nodraft.drafters.ngrams import request_index
 from nodraft.drafters import costs
@@ -86,11 +88,18 @@ MAX_MATCH = 8  # match lengths at or above this share one estimate
 # where some match length's acceptance is believed at least this (a copy that starts is
 # worth ~4 tokens a step), a copy's first step is worth meeting at once: auto never rests
 COPIES_PAY = 0.8
-REST_MAX = 4  # the longest rest, in steps (``Auto.propose``)
+REST_MAX = 32  # the longest rest, in steps (``Auto.propose``)
 # the sampling regimes auto rests in: where no cheap drafter paid on any of the workload
 # suite's categories (temperature 1.0: 0.79-0.92x ``none`` at best); greedy and at 0.7,
 # where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
-REST_REGIMES = ("t>0.85",)
+REST_REGIMES = ("t<=0.85", "t>0.85")
+# what a drafted step costs beyond its pass, more than an asked step without a draft (the
+# draft's tensor, verification's and the commit's work on its rows), in one-row passes,
+# until this server has measured it (``Auto._draft_overhead``): ~0.5 measured here
+DRAFT_OVERHEAD_PRIOR = 0.5
+OVERHEAD_STEPS = 31  # the recent steps of each kind whose median overhead prices drafts
+OVERHEAD_MIN_STEPS = 5  # of each kind, before the medians replace the prior
+POOLED_MIN = 6.0  # pseudo-counts of shorter matches before a new key's prior follows them
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -161,6 +170,12 @@ class Auto(DrafterBase):
         self.pause = 0  # the last rest's length
         self.copies_pay: set[tuple] = set()  # keys believed at least COPIES_PAY
         self.seeded = False  # copies_pay has the server's beliefs (the first asked step)
+        # server-wide: seconds recent steps took beyond their pass, asked without a draft
+        # and with a cheap drafter's draft; ``_draft_overhead`` prices drafts by them
+        self.overhead: dict[str, deque] = env.shared.setdefault("auto_step_overhead", {})
+        self._overhead: float | None = None  # ``_draft_overhead``, until a step is timed
+        self._asked = False  # this step asked the candidates
+        self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
@@ -233,7 +248,7 @@ class Auto(DrafterBase):
         est = self.est.get(key)
         g = self.global_est.get(key)
         if est is None:
-            est = self.est[key] = dataclasses.replace(g) if g is not None else Acceptance()
+            est = self.est[key] = dataclasses.replace(g) if g is not None else self._prior(key)
             if est.alpha >= COPIES_PAY:
                 self.copies_pay.add(key)
         elif g is not None and est.step < self.step:
@@ -242,6 +257,22 @@ class Auto(DrafterBase):
             est.rejected = w * est.rejected + (1 - w) * g.rejected
         est.step = self.step
         return est
+
+    def _prior(self, key: tuple) -> Acceptance:
+        """The belief a key the server has not seen starts from: Beta(1, 1), centred on
+        what the server believes of the same drafter's shorter matches in the same regime
+        once it has counted a few of them (weight 2 still: the key's own first steps soon
+        outweigh it). Uniform for every new match length, a fresh server under sampling
+        tried each length's long drafts in turn, and at temperature 1.0 nearly all of them
+        were rejected."""
+        name, match_len, reg = key
+        a = r = 0.0
+        for (n, m, rg), b in self.global_est.items():
+            if n == name and rg == reg and m <= match_len:
+                a, r = a + b.accepted, r + b.rejected
+        if a + r < POOLED_MIN:
+            return Acceptance()
+        return Acceptance(2.0 * a / (a + r), 2.0 * r / (a + r))
 
     def _observe(self, key: tuple, depth: int, accepted: int) -> None:
         est = self._estimate(key)
@@ -262,16 +293,49 @@ class Auto(DrafterBase):
         return draft
 
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
-        return tokens / (self.cost(1 + rows) + seconds)
+        return tokens / (self.cost(1 + rows) + seconds + self._draft_overhead())
+
+    def _learn_overhead(self, ctx: DraftContext) -> None:
+        """The last step's time beyond its pass (``ctx.step_seconds`` less the pass-cost
+        table's figure for its rows) into the server's moving average for its kind."""
+        timing, self._timing = self._timing, None
+        seconds = ctx.step_seconds
+        if timing is None or seconds is None or self.cost is None:
+            return
+        rows, drafted = timing
+        key = "drafted" if drafted else "asked"
+        self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
+            seconds - self.cost(rows))
+        self._overhead = None
+
+    def _draft_overhead(self) -> float:
+        """Seconds a step with a draft takes beyond its pass, more than an asked step
+        without one: the difference of the two kinds' median overheads over this server's
+        recent steps (``_learn_overhead``; medians, so that a step preempted on a shared
+        machine, or one that found its code out of the caches, moves it little), else
+        ``DRAFT_OVERHEAD_PRIOR`` one-row passes until ``OVERHEAD_MIN_STEPS`` of each kind
+        are timed (a first drafted step meets code out of the caches). A step's own work besides its pass is not
+        in the pass-cost table, and a draft adds to it: priced at zero, drafts of a token
+        or two looked worth sending under sampling where they cost ~1.5 plain steps."""
+        if self._overhead is None:
+            drafted, asked = self.overhead.get("drafted", ()), self.overhead.get("asked", ())
+            if min(len(drafted), len(asked)) >= OVERHEAD_MIN_STEPS:
+                self._overhead = max(0.0, statistics.median(drafted) - statistics.median(asked))
+            else:
+                self._overhead = DRAFT_OVERHEAD_PRIOR * self.cost(1)
+        return self._overhead
 
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
-        if not self._built:
-            self.candidates()
+        if self._timing is not None:
+            self._learn_overhead(ctx)
         if self.rest:  # the last asked step had nothing that could pay: not asked
             self.rest -= 1
-            self.proposals, self.last = {}, None
-            return Draft.not_looked()
+            self._asked = False  # (``proposals`` and ``last`` are empty after an asked step)
+            return NOT_LOOKED
+        if not self._built:
+            self.candidates()
+        self._asked = True
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
@@ -295,7 +359,7 @@ class Auto(DrafterBase):
             est = self._estimate(key)
             if parents is None:  # a chain: trim to the best length
                 self.proposals[key] = tokens
-                g, k = best_length(est, len(tokens), self.cost)
+                g, k = best_length(est, len(tokens), self.cost, self._draft_overhead())
                 if g > best_g:
                     best_key, best_draft, best_g = key, (tokens, None, match_len, k), g
             else:
@@ -339,6 +403,17 @@ class Auto(DrafterBase):
         return draft
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
+        if not self._asked:  # a rested step: plain decoding, nothing to judge or time
+            self.step += 1
+            for name in self.observers:
+                self.drafters[name].observe(self._ctx(ctx, name), accepted)
+            return
+        if self.step == 0:  # the first asked step indexes the prompt: not a step's cost
+            self._timing = None
+        elif self.last is None:  # an asked step without a draft is timed
+            self._timing = (1, False)
+        else:  # a trained drafter's draft is timed apart (``draft_seconds``)
+            self._timing = (1 + self.last[2], True) if self.last[0][0] in CHEAP else None
         if self.last is not None:
             key, depth, rows = self.last
             self._observe(key, depth, len(accepted))
@@ -362,7 +437,7 @@ class Auto(DrafterBase):
         self.step += 1
         for name in self.observers:  # every drafter keeps its state current
             self.drafters[name].observe(self._ctx(ctx, name), accepted)
-        self.last = None
+        self.last, self._asked = None, False
 
     def close(self, ctx: DraftContext) -> None:
         # a candidate that keeps what the request generated (suffix decoding's store of

@@ -209,6 +209,10 @@ class DraftContext:
     # the request's n-gram index over ``tokens`` (drafters.ngrams.request_index), shared
     # by the match-based drafters
     ngrams: object | None = None
+    # the wall time of the sequence's previous step, from its draft's proposal to its
+    # commit, when the sequence stepped alone; None after a step in a packed pass (shared
+    # with other sequences: no one sequence's time) and before the first
+    step_seconds: float | None = None
 
     @property
     def n_cached(self) -> int:

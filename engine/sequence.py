@@ -362,13 +362,16 @@ class Sequence:
     def step(self) -> StepResult:
         if not self.prefilled:
             return self._prefill_step()
+        t_step = time.perf_counter()
         draft = self.propose()
         t0 = time.perf_counter()
         logits, hidden = self.verify(draft)
         if self.pass_cost is not None and not self._reused:  # a whole pass: what it cost
             self.pass_cost.observe(1 + len(draft) + draft.n_aux, time.perf_counter() - t0)
         path, bonus = self._accept(logits, draft)
-        return self.commit(draft, path, bonus, hidden, logits)
+        result = self.commit(draft, path, bonus, hidden, logits)
+        self.ctx.step_seconds = time.perf_counter() - t_step
+        return result
 
     @torch.inference_mode()
     def _prefill_step(self) -> StepResult:
@@ -430,6 +433,7 @@ class Sequence:
         ``targets``: its rows' own tokens (``verify.accept``), if the pass took them."""
         logits, hidden = self.split(logits, hidden, len(draft))
         path, bonus = self._accept(logits, draft, targets)
+        self.ctx.step_seconds = None  # a share of a packed pass: no step of its own
         return self.commit(draft, path, bonus, hidden, logits)
 
     def _drafter_error(self, method: str) -> None:

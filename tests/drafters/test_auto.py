@@ -1,9 +1,11 @@
 """``auto``: the drafter with the best expected goodput each step, figures attributed."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from nodraft.drafters.auto import Auto
+from nodraft.drafters.auto import POOLED_MIN, Auto
 from nodraft.drafters.goodput import MAX_ALPHA, Acceptance, best_length
 from nodraft.drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
@@ -177,9 +179,9 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
-    """Above temperature 0.85, after an asked step with nothing to send auto does not ask
-    at the next step, nor at the next 2 and then 4 while asked steps stay empty; greedy
-    and at milder temperatures it asks at every step."""
+    """Sampled, after an asked step with nothing to send auto does not ask at the next
+    step, nor at the next 2, 4, 8, 16 and then 32 while asked steps stay empty; greedy it
+    asks at every step."""
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -195,7 +197,7 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == 60 and not any(s.draft for s in steps)
     # the first step is the prompt's prefill (no draft), the last has no room for one
-    want = [1, 3, 6, *range(11, 59, 5)] if temperature > 0.85 else list(range(1, 59))
+    want = [1, 3, 6, 11, 20, 37] if temperature > 0 else list(range(1, 59))
     assert [n - 19 for n in asked] == want
 
 
@@ -251,7 +253,30 @@ def test_acceptance_learned_by_one_request_informs_the_next():
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
     assert auto._estimate(("prompt_lookup", 3, "greedy")).alpha == learned.alpha
-    assert auto._estimate(("prompt_lookup", 7, "greedy")).alpha == 0.5  # nothing learned there
+    # a match length the server has not seen starts from a weight-2 belief centred on what
+    # it counted of this drafter's shorter matches in this regime
+    seen = [b for (n, m, r), b in shared["auto_alpha"].items()
+            if n == "prompt_lookup" and m <= 7 and r == "greedy"]
+    a, r = sum(b.accepted for b in seen), sum(b.rejected for b in seen)
+    assert a + r >= POOLED_MIN
+    new = auto._estimate(("prompt_lookup", 7, "greedy"))
+    assert new.accepted + new.rejected == pytest.approx(2.0)
+    assert new.alpha == pytest.approx(min(MAX_ALPHA, a / (a + r)))
+    # another regime, or another drafter, learned nothing: uniform
+    assert auto._estimate(("prompt_lookup", 7, "t>0.85")).alpha == 0.5
+    assert auto._estimate(("suffix", 7, "greedy")).alpha == 0.5
+
+
+def test_a_new_match_length_starts_uniform_until_the_server_counted_a_few_shorter():
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    shared: dict = {"auto_alpha": {("prompt_lookup", 2, "t>0.85"): Acceptance(1.0, 2.0)}}
+    auto = Auto(p, drafter_env(MODEL, shared))
+    assert auto._estimate(("prompt_lookup", 5, "t>0.85")).alpha == 0.5  # 3 pseudo-counts
+    shared["auto_alpha"][("prompt_lookup", 1, "t>0.85")] = Acceptance(0.5, 6.0)
+    assert auto._estimate(("prompt_lookup", 6, "t>0.85")).alpha == pytest.approx(1.5 / 9.5)
+    # longer matches than the key's do not count towards its prior
+    shared["auto_alpha"][("prompt_lookup", 8, "t>0.85")] = Acceptance(90.0, 1.0)
+    assert auto._estimate(("prompt_lookup", 7, "t>0.85")).alpha == pytest.approx(1.5 / 9.5)
 
 
 def test_beliefs_are_kept_per_sampling_regime():
@@ -263,16 +288,19 @@ def test_beliefs_are_kept_per_sampling_regime():
     prompt = [4, 8, 15, 16, 23, 42] * 6
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
     assert {k[2] for k in shared["auto_alpha"]} == {"greedy"}
+    greedy = {k: (b.accepted, b.rejected) for k, b in shared["auto_alpha"].items()}
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"},
              SamplingParams(temperature=0.5, seed=0), shared=shared)
     assert {k[2] for k in shared["auto_alpha"]} == {"greedy", "t<=0.85"}
+    # the sampled request counted into its own regime's beliefs, and left greedy's as they were
+    assert {k: (b.accepted, b.rejected) for k, b in shared["auto_alpha"].items()
+            if k[2] == "greedy"} == greedy
     # a (drafter, match length) both regimes drafted with keeps a belief in each
     both = ({k[:2] for k in shared["auto_alpha"] if k[2] == "greedy"}
             & {k[:2] for k in shared["auto_alpha"] if k[2] == "t<=0.85"})
     assert both
     for key in both:
-        greedy, sampled = (shared["auto_alpha"][(*key, r)] for r in ("greedy", "t<=0.85"))
-        assert (greedy.accepted, greedy.rejected) != (sampled.accepted, sampled.rejected)
+        assert shared["auto_alpha"][(*key, "greedy")] is not shared["auto_alpha"][(*key, "t<=0.85")]
 
 
 def test_a_cheap_drafter_not_sent_is_still_measured_against_what_the_pass_emitted():
@@ -370,3 +398,62 @@ def test_a_request_on_a_server_whose_copies_pay_does_not_rest():
         auto.candidates()
         auto.est[key] = Acceptance(0.05, 40.0)  # this request: its 3-gram matches do not pay
         assert not len(auto.propose(ctx, 8)) and auto.rest == rests
+
+
+def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
+    """Drafts are priced with what a drafted step costs beyond its pass, more than an
+    asked step without one: ``DRAFT_OVERHEAD_PRIOR`` one-row passes until enough steps of
+    each kind are timed (``ctx.step_seconds``), then the difference of their medians."""
+    from nodraft.drafters.auto import DRAFT_OVERHEAD_PRIOR, OVERHEAD_MIN_STEPS
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    shared: dict = {}
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its 3-gram [3 7 2] matches
+    auto.propose(ctx, 8)
+    one = auto.cost(1)
+    assert auto._draft_overhead() == pytest.approx(DRAFT_OVERHEAD_PRIOR * one)
+    auto.step = 1  # (the first asked step indexes the prompt and is not timed)
+
+    def timed(kind_rows: int, drafted: bool, extra: float) -> None:
+        auto._timing = (kind_rows, drafted)
+        ctx.step_seconds = auto.cost(kind_rows) + extra
+        auto._learn_overhead(ctx)
+
+    for i in range(OVERHEAD_MIN_STEPS):
+        timed(1, False, 2 * one)  # asked, nothing sent: two passes' worth besides the pass
+        timed(3, True, 5 * one if i else 500 * one)  # drafted: three more (one stalled)
+    assert auto._draft_overhead() == pytest.approx(3 * one)  # medians: the stall is ignored
+    assert shared["auto_step_overhead"]["asked"]  # kept server-wide
+    # a belief that pays for a draft priced at the prior does not pay for one three passes
+    # dearer: nothing is sent
+    key, belief = ("prompt_lookup", 3, "greedy"), Acceptance(2.0, 1.0)
+    plain = 1.0 / auto.cost(1)
+    assert best_length(belief, 8, auto.cost, 0.0)[0] > plain > \
+        best_length(belief, 8, auto.cost, 3 * one)[0]
+    auto.est[key] = dataclasses.replace(belief)
+    auto._overhead = 0.0
+    assert len(auto.propose(ctx, 8))
+    auto._overhead = None
+    auto.est[key] = dataclasses.replace(belief)
+    assert not len(auto.propose(ctx, 8))
+
+
+def test_a_lone_step_is_timed_for_the_drafter_and_a_packed_one_is_not():
+    from nodraft.engine.sequence import Sequence
+    from nodraft.engine.verify import SamplingParams
+    from nodraft.micro.model import KVCache
+
+    cache = KVCache(MODEL.config, 2, dtype=MODEL.tok_embeddings.weight.dtype)
+    reg = Registry()
+    drafter = reg.build(*reg.parse("none"), drafter_env(MODEL))
+    seq = Sequence(MODEL, cache, 0, [1, 2, 3, 4], drafter, 8, SamplingParams(), frozenset())
+    seq.step()  # the prefill and first token
+    assert seq.ctx.step_seconds is None
+    seq.step()
+    assert seq.ctx.step_seconds > 0
+    draft = seq.propose()
+    segment = seq.verify_segment(draft)
+    logits, hidden = MODEL.verify_pass(torch.tensor(segment.ids), cache, 0, cache.lengths[0])
+    seq.finish_step(draft, logits, hidden)
+    assert seq.ctx.step_seconds is None
