@@ -6,7 +6,11 @@ expected tokens of a draft under it (``Acceptance.tokens``: while the belief is 
 long draft is worth more than at its mean, so a fresh server does not trim its first long
 matches to a few tokens while it learns), and the seconds of the pass that verifies it
 from the table measured on this machine (``drafters.costs.PassCost``) plus the drafter's
-own measured time. The candidates, and the signals each is judged on:
+own measured time plus what a drafted step costs besides its pass, more than an asked
+step without a draft (``_draft_overhead``: the draft's tensor, verification's and the
+commit's work on its rows -- measured on this server's lone steps, the median over recent
+ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). The candidates, and the
+signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
   them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
@@ -18,17 +22,17 @@ own measured time. The candidates, and the signals each is judged on:
   one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
-- **Rests where nothing pays** (at temperatures above 0.85: ``REST_REGIMES``): after an
-  asked step where nothing beat plain decoding, auto does not ask at the next step, nor at
-  the next 2 and 4 after further such steps in a row (``REST_MAX``; any draft sent ends
-  it); the passes it rests are plain decoding. Asking costs tens of microseconds on a
-  step of a few hundred, and at temperature 1.0 nothing pays at most steps: an ``auto``
-  that asked every step and never sent a draft ran at ~0.87x ``none`` there (docs/LOG.md,
-  2026-12-05). A copy that starts at a rested step is met a few steps late, so auto does
-  not rest while any match length's acceptance -- this request's, or at its start the
-  server's -- is believed at least ``COPIES_PAY`` (a copy's first step is worth several
-  tokens). Greedy and at milder temperatures it asks every step, as ever: there copies
-  pay, and rests measured a loss (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
+- **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
+  nothing beat plain decoding, auto does not ask at the next step, nor at the next 2, 4,
+  8, 16 and then 32 after further such steps in a row (``REST_MAX``; any draft sent ends
+  it); the passes it rests are plain decoding, and the engine's bookkeeping of a rested
+  step is a plain step's. Asking costs tens of microseconds on a step of a few hundred
+  (more after a rest: the request's n-gram index catches up), and under sampling nothing
+  pays at most steps. A copy that starts at a rested step is met some steps late, so auto
+  does not rest while any match length's acceptance -- this request's, or at its start
+  the server's -- is believed at least ``COPIES_PAY`` (a copy's first step is worth
+  several tokens). Greedy it asks every step: there copies pay, and rests measured a loss
+  (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied); the others
   are asked again at the first step it does not win outright.
@@ -40,8 +44,10 @@ match is accepted far more often than a 1-gram one, and a greedy request's accep
 little about a sampled one's. Each belief counts the accepted tokens and
 the rejections of the request's recent steps (decayed: an exponential moving average),
 starting from what earlier requests on this server counted for that key (kept per model),
-so a fresh request starts informed; a fresh server starts every key at Beta(1, 1),
-uniform. A cheap drafter's chain that auto did not send is scored too, against the tokens
+so a fresh request starts informed; a key the server has not counted starts at weight 2
+(as Beta(1, 1)), centred on what it counted of the same drafter's shorter matches in the
+same regime, uniform until it counted a few (``POOLED_MIN``). A cheap drafter's chain
+that auto did not send is scored too, against the tokens
 the pass emitted (its matching prefix; a mismatch within them counts as a rejection), so a
 drafter passed over once is not stuck at its prior. A belief not updated for a while is
 pulled back towards the server-wide one, so a text that turns repetitive is noticed. The
@@ -89,9 +95,9 @@ MAX_MATCH = 8  # match lengths at or above this share one estimate
 # worth ~4 tokens a step), a copy's first step is worth meeting at once: auto never rests
 COPIES_PAY = 0.8
 REST_MAX = 32  # the longest rest, in steps (``Auto.propose``)
-# the sampling regimes auto rests in: where no cheap drafter paid on any of the workload
-# suite's categories (temperature 1.0: 0.79-0.92x ``none`` at best); greedy and at 0.7,
-# where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
+# the sampling regimes auto rests in: both sampled ones, where asking at every step cost
+# more than the copies it met first gained (docs/LOG.md, "Pricing a draft's own work");
+# greedy, where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
 REST_REGIMES = ("t<=0.85", "t>0.85")
 # what a drafted step costs beyond its pass, more than an asked step without a draft (the
 # draft's tensor, verification's and the commit's work on its rows), in one-row passes,
@@ -175,6 +181,7 @@ class Auto(DrafterBase):
         self.overhead: dict[str, deque] = env.shared.setdefault("auto_step_overhead", {})
         self._overhead: float | None = None  # ``_draft_overhead``, until a step is timed
         self._asked = False  # this step asked the candidates
+        self._first = False  # this step is the first asked
         self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
@@ -297,7 +304,7 @@ class Auto(DrafterBase):
 
     def _learn_overhead(self, ctx: DraftContext) -> None:
         """The last step's time beyond its pass (``ctx.step_seconds`` less the pass-cost
-        table's figure for its rows) into the server's moving average for its kind."""
+        table's figure for its rows) into the server's recent steps of its kind."""
         timing, self._timing = self._timing, None
         seconds = ctx.step_seconds
         if timing is None or seconds is None or self.cost is None:
@@ -314,9 +321,10 @@ class Auto(DrafterBase):
         recent steps (``_learn_overhead``; medians, so that a step preempted on a shared
         machine, or one that found its code out of the caches, moves it little), else
         ``DRAFT_OVERHEAD_PRIOR`` one-row passes until ``OVERHEAD_MIN_STEPS`` of each kind
-        are timed (a first drafted step meets code out of the caches). A step's own work besides its pass is not
-        in the pass-cost table, and a draft adds to it: priced at zero, drafts of a token
-        or two looked worth sending under sampling where they cost ~1.5 plain steps."""
+        are timed (a first drafted step meets code out of the caches). A step's own work
+        besides its pass is not in the pass-cost table, and a draft adds to it: priced at
+        zero, drafts of a token or two looked worth sending under sampling where they cost
+        ~1.5 plain steps."""
         if self._overhead is None:
             drafted, asked = self.overhead.get("drafted", ()), self.overhead.get("asked", ())
             if min(len(drafted), len(asked)) >= OVERHEAD_MIN_STEPS:
@@ -342,7 +350,7 @@ class Auto(DrafterBase):
             request_index(ctx)
         reg = self.reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
         if not self.seeded:  # the first step asked: where the server's copies pay, so do ours
-            self.seeded = True
+            self.seeded = self._first = True  # (and it indexed the prompt: not timed)
             self.copies_pay.update(k for k, g in self.global_est.items()
                                    if k[2] == reg and g.alpha >= COPIES_PAY)
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
@@ -408,8 +416,8 @@ class Auto(DrafterBase):
             for name in self.observers:
                 self.drafters[name].observe(self._ctx(ctx, name), accepted)
             return
-        if self.step == 0:  # the first asked step indexes the prompt: not a step's cost
-            self._timing = None
+        if self._first:  # the first asked step indexed the prompt: not a step's cost
+            self._timing, self._first = None, False
         elif self.last is None:  # an asked step without a draft is timed
             self._timing = (1, False)
         else:  # a trained drafter's draft is timed apart (``draft_seconds``)

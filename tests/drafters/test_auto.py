@@ -413,7 +413,13 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     auto.propose(ctx, 8)
     one = auto.cost(1)
     assert auto._draft_overhead() == pytest.approx(DRAFT_OVERHEAD_PRIOR * one)
-    auto.step = 1  # (the first asked step indexes the prompt and is not timed)
+    auto.observe(ctx, [])
+    assert auto._timing is None  # the first asked step indexed the prompt: not timed
+    auto.est[("prompt_lookup", 3, "greedy")] = Acceptance(0.05, 40.0)  # nothing pays
+    assert not len(auto.propose(ctx, 8))
+    auto.observe(ctx, [])
+    assert auto._timing == (1, False)  # an asked step without a draft: timed
+    auto._timing = None
 
     def timed(kind_rows: int, drafted: bool, extra: float) -> None:
         auto._timing = (kind_rows, drafted)
