@@ -25,8 +25,8 @@ signals each is judged on:
 - **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
   nothing beat plain decoding, auto does not ask at the next step, nor at the next 2, 4,
   8, 16 and then 32 after further such steps in a row (``REST_MAX``; any draft sent ends
-  it); the passes it rests are plain decoding, and the engine's bookkeeping of a rested
-  step is a plain step's. Asking costs tens of microseconds on a step of a few hundred
+  it); the passes it rests are plain decoding, and a rested step skips auto's own
+  bookkeeping. Asking costs tens of microseconds on a step of a few hundred
   (more after a rest: the request's n-gram index catches up), and under sampling nothing
   pays at most steps. A copy that starts at a rested step is met some steps late, so auto
   does not rest while any match length's acceptance -- this request's, or at its start
