@@ -344,7 +344,14 @@ def test_oversized_headers_are_refused_and_the_server_goes_on(serve_checkpoints)
             assert body["error"]["code"] == "headers_too_large" and took < 2
         r = httpx.get(g.url + "/health", headers={"x-big": "a" * 12_000}, timeout=5)
         assert r.status_code == 200
-        # a body past 16 KiB is no head: it reaches the route (a 400 for its content)
+        # a body past 16 KiB is no head: it reaches the route (an error for its content),
+        # sent after a head with CRLF line ends or bare LFs, in the head's piece
         r = httpx.post(g.url + "/v1/completions", json={"model": "nope", "prompt": "a" * 40_000},
                        timeout=5)
         assert r.status_code != 431 and r.status_code < 500, r.text[:200]
+        body = json.dumps({"model": "nope", "prompt": "a" * 40_000}).encode()
+        with g.connect() as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\nhost: x\ncontent-type: application/json"
+                      b"\nconnection: close\ncontent-length: %d\n\n" % len(body) + body)
+            data, _ = read_all(s)
+        assert data.startswith(b"HTTP/1.1 4") and not data.startswith(b"HTTP/1.1 431"), data[:80]
