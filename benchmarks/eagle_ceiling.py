@@ -79,18 +79,21 @@ def main(argv: list[str] | None = None) -> None:
                "machine": platform.machine(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "temperature": args.temperature, "top_p": args.top_p, "models": {}}
+    depth = registry.parse({"method": "eagle"})[1].depth  # EAGLE's default chain
+
+    def sampling(seed: int) -> SamplingParams:
+        return SamplingParams(args.temperature, args.top_p, seed=seed)
+
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = load_model(name, CHECKPOINT_DIR).compile(True)
         cache = KVCache(model.config, 1)
         table = costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
         one = table.table(1)
         pass_rows = lambda r: table.table(r) / one  # noqa: E731
-        def sampling(seed: int) -> SamplingParams:
-            return SamplingParams(args.temperature, args.top_p, seed=seed)
         # compiled at its first use: EAGLE's draft step, untimed
         decode(model, prompts[0]["ids"], 16, "eagle", None, registry, {}, name, None,
                sampling(0))
-        hits, steps, draft_s, ratios, depth = None, 0, 0.0, [], None
+        hits, steps, draft_s, ratios = [0] * depth, 0, 0.0, []
         for prompt in prompts:
             for k in range(args.seeds):
                 sp = sampling(1000 + k)
@@ -101,9 +104,6 @@ def main(argv: list[str] | None = None) -> None:
                 if run.tokens != base.tokens:
                     raise SystemExit(f"{name}: EAGLE changed the text (seed {sp.seed})")
                 s = run.stats
-                if depth is None:
-                    depth = registry.parse({"method": "eagle"})[1].depth
-                    hits = [0] * depth
                 for j, n in enumerate(s.accepted_by_position[:depth]):
                     hits[j] += n
                 steps += s.target_passes

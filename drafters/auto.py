@@ -338,8 +338,7 @@ class Auto(DrafterBase):
         if self._timing is not None:
             self._learn_overhead(ctx)
         if self.rest:  # the last asked step had nothing that could pay: not asked
-            self.rest -= 1
-            self._asked = False  # (``proposals`` and ``last`` are empty after an asked step)
+            self.rest -= 1  # (``observe`` left ``_asked``, ``proposals``, ``last`` empty)
             return NOT_LOOKED
         if not self._built:
             self.candidates()
