@@ -30,6 +30,10 @@ empty, ``auto`` has no estimates yet).
     nodraft bench [--models micro,micro-layerskip] [--categories code,edit,rag,chat,long]
                   [--regimes greedy,t0.7,t1.0] [--methods ...] [--prompts 2] [--tokens 128]
                   [--repeats 5] [--threads 1] [--eager] [--json-out F] [--md-out F] [--plot F]
+
+A ``--methods`` item is a drafter's name, or its name and parameters as ``nodraft loadtest``
+takes them -- ``lookahead:window=1:ngram=3:guesses=2`` -- so settings can be compared side
+by side; each item is a column, labelled as given.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from nodraft.clients.loadtest import speculation
 from nodraft.clients.measure import alternated
 from nodraft.drafters.registry import Registry
 from nodraft.engine.verify import SamplingParams
@@ -198,7 +203,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for (model, regime, category), by_method in groups.items():
         speedups = {m: statistics.median(r["speedup"] for r in rs) for m, rs in by_method.items()}
-        singles = {m: s for m, s in speedups.items() if m != "auto"}
+        singles = {m: s for m, s in speedups.items() if m.split(":")[0] != "auto"}
         best = max(singles, key=singles.get) if singles else None
         out.append({"model": model, "regime": regime, "category": category,
                     "speedups": speedups, "best": best,
@@ -258,7 +263,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="micro,micro-layerskip")
     p.add_argument("--categories", default=",".join(CATEGORIES))
     p.add_argument("--regimes", default=",".join(REGIMES))
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="drafters, each a name or name:key=value[:...]")
     p.add_argument("--prompts", type=int, default=2, help="prompts per category")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
@@ -275,6 +281,17 @@ def main(argv: list[str] | None = None) -> None:
                              (set(regimes) - set(REGIMES), tuple(REGIMES), "regimes")):
         if bad:
             p.error(f"unknown {what} {sorted(bad)}; known: {', '.join(known)}")
+    registry = Registry()
+    specs = {}
+    for item in methods:
+        try:
+            spec = speculation(item)
+            registry.parse(spec)
+        except ValueError as e:  # SpeculationError is one
+            p.error(f"--methods {item!r}: {e}")
+        specs[item] = (spec.pop("method"), spec)
+    if len(specs) < len(methods):
+        p.error("--methods lists an item twice")
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -283,7 +300,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     tok = load_tokenizer()
     prompts = build_prompts(tok, args.prompts)
-    registry = Registry()
     rows, t0 = [], time.time()
     for name in split(args.models):
         model = load_model(name, Path(args.checkpoints)).compile(not args.eager)
@@ -291,10 +307,10 @@ def main(argv: list[str] | None = None) -> None:
             for prompt in prompts[category]:
                 for regime in regimes:
                     for method in methods:
-                        row = measure(model, name, prompt, regime, method, {}, args.tokens,
+                        row = measure(model, name, prompt, regime, *specs[method], args.tokens,
                                       args.repeats, registry)
-                        row.update(model=name, category=category, prompt=prompt["name"],
-                                   regime=regime)
+                        row.update(method=method, model=name, category=category,
+                                   prompt=prompt["name"], regime=regime)
                         rows.append(row)
                         print(f"{time.time() - t0:6.0f}s {name:15s} {category:5s} "
                               f"{prompt['name'][:28]:28s} {regime:6s} {method:13s} "

@@ -379,8 +379,8 @@ class Auto(DrafterBase):
             key = (name, 0, reg)
             est = self._estimate(key)
             # not yet measured on this server: assume a draft step costs one target pass
-            # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's 0.7), so it is
-            # tried only when that would still pay
+            # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's full-vocabulary
+            # tree 0.7), so it is tried only when that would still pay
             seconds = self.draft_seconds.get(name, self.cost(1))
             p = self.trained_params[name][1]  # EAGLE: depth, total_tokens; Medusa: num_heads
             depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))

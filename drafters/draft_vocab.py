@@ -148,18 +148,24 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.model, directory)
     local_tok = directory / "tokenizer.json"
     tok = load_tokenizer(local_tok if local_tok.exists() else None)
-    train = token_stream(tok, "train")
-    V = config.vocab_size
-    ranked = draft_vocabulary(train, V, V)
-    counts = torch.from_numpy(np.bincount(train, minlength=V).astype(np.int64))
-    heldout = coverage(ranked, token_stream(tok, "heldout"))
-    record = {"name": f"{args.model}-{SUFFIX}", "target": args.model,
-              "command": "nodraft train draft-vocab " + " ".join(argv or sys.argv[1:]),
+    path, record = write_ranking(args.model, config.vocab_size, directory,
+                                 "nodraft train draft-vocab " + " ".join(argv or sys.argv[1:]),
+                                 token_stream(tok, "train"), token_stream(tok, "heldout"), t0)
+    print(f"wrote {path}: {config.vocab_size} ids ranked over {record['train_tokens']} train "
+          "tokens; held-out coverage "
+          + ", ".join(f"first {n}: {c:.1%}" for n, c in record["heldout_coverage"].items()))
+
+
+def write_ranking(model_name: str, vocab_size: int, directory: Path, command: str,
+                  train: np.ndarray, heldout: np.ndarray, t0: float) -> tuple[Path, dict]:
+    """Rank the ids by their count in ``train``, and write the ranking and its record
+    (``command``, the seconds since ``t0``, the held-out coverage) beside the checkpoint."""
+    ranked = draft_vocabulary(train, vocab_size, vocab_size)
+    counts = torch.from_numpy(np.bincount(train, minlength=vocab_size).astype(np.int64))
+    record = {"name": f"{model_name}-{SUFFIX}", "target": model_name, "command": command,
               "seconds": round(time.perf_counter() - t0, 1), "train_tokens": int(train.size),
-              "heldout_coverage": heldout}
-    path = save(ranked, counts, args.model, directory, record)
-    print(f"wrote {path}: {V} ids ranked over {train.size} train tokens; held-out coverage "
-          + ", ".join(f"first {n}: {c:.1%}" for n, c in heldout.items()))
+              "heldout_coverage": coverage(ranked, heldout)}
+    return save(ranked, counts, model_name, directory, record), record
 
 
 if __name__ == "__main__":

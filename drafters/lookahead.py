@@ -68,13 +68,17 @@ for every drafter (not counted). The lookahead branch is m extra rows of that sa
 m = (N-1)·W - 1 once the window is full (W + N - 3 at the first step). By FLOPs each row is
 a whole 1-token pass, so a compute-bound device pays m. micro on a CPU is far from
 compute-bound: a pass over T rows takes about ``1 + ROW_COST·(T - 1)`` times a 1-token pass
-(``benchmarks/lookahead.py``; docs/BENCHMARKS.md, "Choosing lookahead's defaults"), so the
-model is ``cost = ROW_COST · m`` with ROW_COST = 0.05. The default window (m = 7) costs 0.35
-of a pass per step; the reference's W = 7, N = 5 (m = 27) 1.35; llama.cpp's W = 15
-(m = 59) 2.95.
+(the pass-cost table of a lone sequence's pass, ``benchmarks/passes.py``: 1.13 / 1.35 /
+1.63 one-row passes at 2 / 3 / 5 rows; docs/BENCHMARKS.md, "What a pass costs by its
+rows"), so the model is ``cost = ROW_COST · m`` with ROW_COST = 0.16. The default window
+(m = 1) costs 0.16 of a pass per step; the reference's W = 7, N = 5 (m = 27) 4.3; llama.cpp's
+W = 15 (m = 59) 9.4 -- more than the curve's straight line, which rises past 5 rows.
 
-**Defaults**: W = 2, N = 5, G = 4, the pool seeded from the prompt, chosen by
-``benchmarks/lookahead.py`` (docs/BENCHMARKS.md, "Choosing lookahead's defaults").
+**Defaults**: W = 1, N = 3, G = 1, the pool seeded from the prompt: the smallest step,
+chosen on the workload suite (``nodraft bench --methods lookahead:window=W:ngram=N:...``;
+docs/BENCHMARKS.md, "Choosing lookahead's defaults"): with a pass's every row costing
+0.13-0.25 of a one-row pass, the fewest rows won in 28 of 30 rows against six other
+settings, the former default (W = 2, N = 5, G = 4: up to 24 rows a step) included.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ from torch import Tensor
 
 from nodraft.drafters.base import AuxRows, Draft, DraftContext, DrafterBase, DrafterEnv
 
-ROW_COST = 0.05  # one more row in a target pass, in 1-token passes (micro, CPU, measured)
+ROW_COST = 0.16  # one more row in a target pass, in 1-token passes (micro, CPU, measured)
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,9 +172,9 @@ class Lookahead(DrafterBase):
 
     @dataclass(frozen=True)
     class Params:
-        window: int = 2  # W: Jacobi window columns
-        ngram: int = 5  # N: n-gram size; the window has N-1 levels
-        guesses: int = 4  # G: n-grams verified per step (and kept per first token)
+        window: int = 1  # W: Jacobi window columns
+        ngram: int = 3  # N: n-gram size; the window has N-1 levels
+        guesses: int = 1  # G: n-grams verified per step (and kept per first token)
         seed_from_prompt: bool = True  # pool the prompt's and the output's n-grams too
 
         def __post_init__(self):

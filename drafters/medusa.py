@@ -39,7 +39,15 @@ measured k and the vocabulary) and ``total_tokens``; it is built once per such k
 cached (``build_tree``).
 
 Each step runs only the heads the (possibly truncated) tree reaches, takes their top-k
-tokens and reads each node's token off them. The proposal is deterministic (q = None):
+tokens and reads each node's token off them. It ranks a head's output y by ``y @ rows.T``
+with rows the tied LM head's rows times the final norm's weight (``ranking_rows``): the
+target's logits over those rows divided by RMS(y), so the same ranks without the norm.
+With ``draft_vocab`` N the rows are the N most frequent ids' only (FR-Spec's draft
+vocabulary, ``drafters.draft_vocab``, as early exit reads it): a head then reads N rows
+of the head instead of 4096 -- at one row a step the head's weights, not its arithmetic,
+bound it -- and a token outside them is never drafted (the tree's ranks are those of the
+full head's held-out accuracies; within the subset they can only be as good). The proposal
+is deterministic (q = None):
 greedy verification keeps exactly plain greedy's output, and sampling verifies the tree
 with the sibling rule (``engine.verify``), which keeps the target's distribution exactly.
 
@@ -47,12 +55,14 @@ Draft cost model (FLOPs, in target-pass units, per verification pass): each head
 costs its block and one application of the 4096-way LM head, against one token through
 the whole target (``early_exit``'s unit)::
 
-    cost = d * (dim^2 + V * dim) / (L * layer_macs + V * dim)
+    cost = d * (dim^2 + N * dim) / (L * layer_macs + V * dim)
 
-with d the tree's depth this step. For micro (dim 160, V 4096, L 4, layer_macs 286,720)
-a head is 680,960 of 1,802,240 multiply-adds, 0.378 of a pass: the 4096-way head dominates,
-so four heads cost 1.51 passes and the tree must earn it back in accepted tokens. Medusa
-heads are cheap on large models, where the head is a sliver of a pass; on micro they are not.
+with d the tree's depth this step and N the rows read (``draft_vocab``, or V). For micro
+(dim 160, V 4096, L 4, layer_macs 286,720) a head over the full vocabulary is 680,960 of
+1,802,240 multiply-adds, 0.378 of a pass: the 4096-way head dominates, so four heads cost
+1.51 passes and the tree must earn it back in accepted tokens; over 512 ids a head is
+0.06. Medusa heads are cheap on large models, where the head is a sliver of a pass; on
+micro only a draft vocabulary makes them so.
 
 Files. ``<checkpoint_dir>/<model>-medusa.safetensors`` holds ``weight`` (K, dim, dim) and
 ``bias`` (K, dim) in float32 (the shared LM head is not stored; metadata: num_heads, dim,
@@ -83,6 +93,7 @@ from torch import Tensor, nn
 
 from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
                                   loaded_weights)
+from nodraft.drafters.draft_vocab import check as check_vocab, head_rows as vocab_rows
 from nodraft.micro.model import Micro, MicroConfig, layer_macs
 
 SUFFIX = "medusa"
@@ -111,15 +122,24 @@ class MedusaHeads(nn.Module):
         y = torch.einsum("...d,ked->...ke", h, self.weight[:k]) + self.bias[:k]
         return h.unsqueeze(-2) + F.silu(y)
 
+    def draft(self, h: Tensor, heads: int) -> Tensor:
+        """``forward`` on one hidden state h (dim,) -> (heads, dim), as a drafting step runs
+        it: a matrix-vector product per head, without einsum's planning."""
+        if heads == 1:
+            return (h + F.silu(F.linear(h, self.weight[0], self.bias[0])))[None]
+        return h + F.silu(torch.matmul(self.weight[:heads], h) + self.bias[:heads])
+
     def logits(self, model: Micro, h: Tensor, heads: int | None = None) -> Tensor:
         """Logits (..., heads, V) of the first ``heads`` heads, through the target's head."""
         return model.head(self(h, heads))
 
 
-def head_cost(c: MicroConfig) -> float:
-    """One head's FLOPs (block + LM head) over one token through the target."""
+def head_cost(c: MicroConfig, draft_vocab: int = 0) -> float:
+    """One head's FLOPs (block + LM head over ``draft_vocab`` rows; 0: all of them) over one
+    token through the target."""
     head = c.vocab_size * c.dim
-    return (c.dim * c.dim + head) / (c.n_layers * layer_macs(c) + head)
+    return (c.dim * c.dim + (draft_vocab or c.vocab_size) * c.dim) / (
+        c.n_layers * layer_macs(c) + head)
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -252,10 +272,16 @@ class Medusa(DrafterBase):
 
     @dataclass(frozen=True)
     class Params:
-        num_heads: int = 4  # heads used = the tree's depth limit; at most the trained K
-        total_tokens: int = 16  # the tree's size: draft tokens per step
+        # chosen on the workload suite (docs/BENCHMARKS.md, "Medusa's, EAGLE's and early
+        # exit's settings on the workload suite"): one head, one token, over the 256 most
+        # frequent ids
+        num_heads: int = 1  # heads used = the tree's depth limit; at most the trained K
+        total_tokens: int = 1  # the tree's size: draft tokens per step
         top_k: int = 10  # ranks per head the tree may use (at most the ranks measured at
         # training, the record's heldout.top_k: a larger value is a 400)
+        # the heads' LM head rows: the most frequent ids (the model's whole vocabulary at
+        # or above its size); 0: all of them
+        draft_vocab: int = 256
 
         def __post_init__(self):
             if not 1 <= self.num_heads <= 16:
@@ -264,6 +290,8 @@ class Medusa(DrafterBase):
                 raise ValueError("total_tokens must be in 1..64")
             if not 1 <= self.top_k <= 64:
                 raise ValueError("top_k must be in 1..64")
+            if self.draft_vocab < 0:
+                raise ValueError("draft_vocab must be 0 (the full head) or a number of ids")
 
     @staticmethod
     def check(params: Params, env: DrafterEnv) -> None:
@@ -286,6 +314,8 @@ class Medusa(DrafterBase):
                 f"top_k={params.top_k}, but the Medusa heads of {env.model_name!r} were "
                 f"measured for ranks up to {measured}; top_k may be at most {measured}",
                 "speculation.top_k")
+        if params.draft_vocab:  # a ranking exists (its size is the model's, known later)
+            check_vocab(env, 1)
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
@@ -300,7 +330,19 @@ class Medusa(DrafterBase):
         rank_acc = tuple(tuple(row[:k]) for row in rank_accuracies(accuracy)[:params.num_heads])
         self.tree = build_tree(rank_acc, params.total_tokens)
         self.top_k = int(self.tree.rank.max()) + 1 if len(self.tree) else 1  # ranks used
-        self.cost_per_head = head_cost(env.model.config)
+        c = env.model.config
+        vocab = 0 if params.draft_vocab >= c.vocab_size else params.draft_vocab
+        if vocab and self.top_k > vocab:
+            raise ValueError(f"top_k={self.top_k} is more than draft_vocab={vocab} ids")
+        # the ids the heads rank (None: all of them, in order) and their ranking rows
+        self.ids, self.rows = ranking_rows(env, vocab)
+        self.cost_per_head = head_cost(c, vocab)
+        # each node's place in the heads' (depth, top_k) ranks, flattened, and whether the
+        # first n nodes are a chain (verified with the plain causal mask)
+        self.flat = (self.tree.depth - 1) * self.top_k + self.tree.rank
+        parents = self.tree.parents.tolist()
+        self.chain = [all(p == i - 1 for i, p in enumerate(parents[:n]))
+                      for n in range(len(parents) + 1)]
         # the deepest node among the first n, for every n: the heads a truncated tree needs
         self.depth_of_prefix = [0, *np.maximum.accumulate(self.tree.depth.numpy()).tolist()]
 
@@ -310,14 +352,32 @@ class Medusa(DrafterBase):
         if n == 0 or ctx.last_hidden is None:
             return Draft.empty()
         depth = self.depth_of_prefix[n]
-        logits = self.heads.logits(self.model, ctx.last_hidden[-1], depth)  # (depth, V)
-        top = logits.topk(self.top_k, dim=-1).indices  # (depth, top_k)
-        tree = self.tree
-        tokens = top[tree.depth[:n] - 1, tree.rank[:n]]
-        parents = tree.parents[:n]
-        if bool((parents == torch.arange(-1, n - 1)).all()):
-            parents = None  # a chain: verified with the plain causal mask
+        y = self.heads.draft(ctx.last_hidden[-1], depth)  # (depth, dim)
+        top = F.linear(y, self.rows).topk(self.top_k, dim=-1).indices  # (depth, top_k)
+        if self.ids is not None:  # ranks among the draft vocabulary's ids, mapped back
+            top = self.ids[top]
+        tokens = top.view(-1)[self.flat[:n]]
+        parents = None if self.chain[n] else self.tree.parents[:n]
         return Draft(tokens, parents, cost=depth * self.cost_per_head)
+
+
+def ranking_rows(env: DrafterEnv, draft_vocab: int) -> tuple[Tensor | None, Tensor]:
+    """What a head's block output y (dim,) is ranked with: the ids (n,) of the draft
+    vocabulary's first ``draft_vocab`` (None for 0: every id, in order) and their rows of
+    the tied LM head times the final norm's weight, (n, dim). ``y @ rows.T`` is the
+    target's logits ``head(y)`` over those ids divided by RMS(y) > 0, so its ranks are the
+    logits' ranks -- the norm is never computed. Built once per model, weights file and
+    size (``loaded_weights``)."""
+    m = env.model
+    dtype = m.tok_embeddings.weight.dtype
+
+    def build() -> tuple[Tensor | None, Tensor]:
+        ids, rows = vocab_rows(env, draft_vocab) if draft_vocab else (None, m.tok_embeddings.weight)
+        with torch.inference_mode(False), torch.no_grad():
+            return ids, (rows * m.norm.weight).contiguous()
+
+    return loaded_weights(m, weights_path(env.checkpoint_dir, env.model_name),
+                          f"medusa ranking rows {draft_vocab} {dtype}", build)
 
 
 # -- untrained heads for tests ----------------------------------------------------------------

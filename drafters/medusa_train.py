@@ -22,7 +22,9 @@ predict tokens 2..K+1 ahead from its final-layer residual stream.
 At the end the heads are measured on the **held-out** split (``drafters.medusa.
 evaluate_heads``: top-1..top-k accuracy per head), and weights and record land beside the
 checkpoint as ``<model>-medusa.safetensors`` / ``.json``. The drafter builds its tree from
-those held-out accuracies.
+those held-out accuracies. A model without a draft vocabulary gets one beside them too (its
+ids ranked by their count in the train split: ``drafters.draft_vocab``), which the heads'
+default ``draft_vocab`` reads.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from nodraft.drafters import draft_vocab
 from nodraft.drafters.medusa import MedusaHeads, heads_from_state, save_heads, weights_path
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
@@ -205,6 +208,12 @@ def train(args: argparse.Namespace, command: str) -> dict:
     path = save_heads(heads, args.model, record, checkpoints)
     say(json.dumps(record))
     say(f"wrote {path} and {path.with_suffix('.json').name}")
+    if not draft_vocab.weights_path(checkpoints, args.model).exists():
+        # the heads' default reads the most frequent ids: their ranking goes beside them
+        vocab, _ = draft_vocab.write_ranking(
+            args.model, c.vocab_size, checkpoints, command + " (the draft vocabulary)",
+            train_ids, heldout_ids, time.perf_counter())
+        say(f"wrote {vocab} (the ids ranked by frequency, for draft_vocab)")
     log.close()
     assert path == weights_path(checkpoints, args.model)
     return record

@@ -57,3 +57,23 @@ def test_a_short_run_reports_every_row_and_checks_the_text(tmp_path, capsys):
     assert "| micro | greedy | edit |" in md.read_text() and png.stat().st_size > 1000
     with pytest.raises(SystemExit):
         bench.main(["--regimes", "t9"])
+
+
+def test_a_drafters_settings_are_columns_of_their_own(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    items = ["lookahead:window=1:ngram=3:guesses=1", "lookahead:window=2:ngram=4:guesses=2"]
+    bench.main(["--models", "micro", "--categories", "code", "--regimes", "greedy",
+                "--methods", ",".join(items), "--prompts", "1", "--tokens", "12",
+                "--repeats", "1", "--eager", "--json-out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["methods"] == items
+    assert [r["method"] for r in result["rows"]] == items
+    assert [r["params"] for r in result["rows"]] == [
+        {"window": 1, "ngram": 3, "guesses": 1}, {"window": 2, "ngram": 4, "guesses": 2}]
+    assert result["summary"][0]["best"] in items
+    assert "| lookahead:window=1:ngram=3:guesses=1 |" in capsys.readouterr().out
+    # a bad setting, an unknown drafter or an item given twice is refused before any run
+    for bad in ("lookahead:window=0", "bogus", "suffix,suffix", "lookahead:window"):
+        with pytest.raises(SystemExit):
+            bench.main(["--models", "micro", "--methods", bad])
+    assert "window must be in 1..32" in capsys.readouterr().err

@@ -125,6 +125,38 @@ def test_the_draft_reads_each_node_off_its_heads_top_k(tmp_path):
     assert small.cost == pytest.approx(max(tree.depth[:2].tolist()) * head_cost(TINY))
 
 
+def test_a_draft_vocabulary_drafts_its_ids_only_ranked_as_the_head_ranks_them(tmp_path):
+    from nodraft.drafters import draft_vocab
+    env = tiny_env(tmp_path)
+    model, n = env.model, 8
+    h = torch.randn(3, TINY.dim, dtype=torch.float64)
+    ctx = DraftContext([1, 2, 3], 3, model, KVCache(TINY), 0, last_hidden=h)
+    with pytest.raises(SpeculationError, match="nodraft train draft-vocab"):  # not ranked yet
+        Medusa.check(Medusa.Params(top_k=2, draft_vocab=n), env)
+    draft_vocab.write_untrained(model, env.model_name, tmp_path)
+    Medusa.check(Medusa.Params(top_k=2, draft_vocab=n), env)
+    drafter = Medusa(Medusa.Params(num_heads=2, total_tokens=5, top_k=2, draft_vocab=n), env)
+    ids, _ = draft_vocab.head_rows(env, n)
+    draft = drafter.propose(ctx, 5)
+    tree = drafter.tree
+    # each node: the rank-r token of its head's logits over the subset's ids
+    top = [ids[model.head(drafter.heads.block(h[-1], i))[ids].topk(2).indices] for i in range(2)]
+    assert draft.tokens.tolist() == [int(top[d - 1][r]) for d, r in
+                                     zip(tree.depth.tolist(), tree.rank.tolist())]
+    assert set(draft.tokens.tolist()) <= set(ids.tolist())
+    assert draft.cost == pytest.approx(int(tree.depth.max()) * head_cost(TINY, n))
+    assert head_cost(TINY, n) < head_cost(TINY)
+    # the whole vocabulary, or more ids than it has, is the full head; more ranks than ids
+    # are refused
+    assert Medusa(Medusa.Params(draft_vocab=TINY.vocab_size), env).ids is None
+    assert Medusa(Medusa.Params(draft_vocab=TINY.vocab_size + 1), env).ids is None
+    assert Medusa(Medusa.Params(draft_vocab=0), env).ids is None
+    with pytest.raises(ValueError, match="more than draft_vocab"):
+        Medusa(Medusa.Params(num_heads=1, total_tokens=4, top_k=4, draft_vocab=2), env)
+    with pytest.raises(SpeculationError):
+        REGISTRY.parse({"method": "medusa", "draft_vocab": -1})
+
+
 def test_no_hidden_state_yet_no_draft(tmp_path):
     env = tiny_env(tmp_path)
     ctx = DraftContext([7], 1, env.model, KVCache(TINY), 0, last_hidden=None)
@@ -189,6 +221,9 @@ def test_a_quick_training_run_writes_loadable_heads(tmp_path):
     acc = record["heldout"]["accuracy"]
     assert len(acc) == 3 and all(len(r) == 4 and r == sorted(r) for r in acc)
     assert (tmp_path / "mini-medusa.log").exists()
+    # the ranking the heads' default draft vocabulary reads was written beside them
+    vocab = json.loads((tmp_path / "mini-draft-vocab.json").read_text())
+    assert vocab["command"].startswith("nodraft train medusa --model mini") and vocab["train_tokens"] > 0
     model = Micro(config).eval().requires_grad_(False)
     env = DrafterEnv("mini", model, {}, checkpoint_dir=tmp_path)
     drafter = Medusa(Medusa.Params(num_heads=3), env)
