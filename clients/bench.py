@@ -173,9 +173,10 @@ def regime_sampling(regime: str, repeat: int) -> SamplingParams:
 
 
 def measure(model, name: str, prompt: dict, regime: str, method: str, params: dict,
-            tokens: int, repeats: int, registry: Registry) -> dict:
-    """One row: ``method`` against ``none`` on one prompt in one regime, alternated."""
-    pairs = alternated(model, prompt["ids"], tokens, method, params, repeats, name,
+            tokens: int, repeats: int, registry: Registry, heads: Path | None = None) -> dict:
+    """One row: ``method`` against ``none`` on one prompt in one regime, alternated;
+    ``heads``: where trained drafters' weights are (default: the bundled checkpoints')."""
+    pairs = alternated(model, prompt["ids"], tokens, method, params, repeats, name, heads=heads,
                        registry=registry, sampling=lambda r: regime_sampling(regime, r),
                        stop_ids=frozenset(prompt.get("stop_ids", ())))
     ratios = [b.seconds / run.seconds for b, run in pairs]
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> None:
                 for regime in regimes:
                     for method in methods:
                         row = measure(model, name, prompt, regime, *specs[method], args.tokens,
-                                      args.repeats, registry)
+                                      args.repeats, registry, Path(args.checkpoints))
                         row.update(method=method, model=name, category=category,
                                    prompt=prompt["name"], regime=regime)
                         rows.append(row)

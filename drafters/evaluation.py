@@ -1,7 +1,9 @@
 """``nodraft eval``: micro's figures (``micro.eval``) and, for each checkpoint with trained
 drafters beside it, their held-out accuracy by position.
 
-- ``medusa``: top-1 (and top-k) accuracy of head i against the held-out token i + 2 ahead;
+- ``medusa``: top-1 (and top-k) accuracy of head i against the held-out token i + 2 ahead,
+  on held-out text and on the target's greedy continuations of held-out prompts
+  (``on_greedy``, positions in the continuation only: the text the heads draft on);
 - ``eagle``: top-1 accuracy at draft depth d against the target's own greedy token, the
   head drafting with its own predicted features as at run time -- on held-out text, and on
   the target's greedy continuations of held-out prompts (``on_greedy``: the path drafted
@@ -37,14 +39,19 @@ def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None 
         if not (mpath.exists() or epath.exists()):
             continue
         model = load_model(name, directory)
+        rows = None
         if mpath.exists():
             r = evaluate_heads(model, mpath, heldout, max_tokens=max_tokens or 65_536)
+            rows = eagle_eval.greedy_rows(model, heldout, prompt_len=eagle_eval.GREEDY_PROMPT)
+            g = evaluate_heads(model, mpath, None, rows=rows, first=eagle_eval.GREEDY_PROMPT - 2)
             entry["medusa"] = {"top1_by_head": r["top1"], "topk_by_head": [a[-1] for a in r["accuracy"]],
-                               "top_k": r["top_k"], "tokens": r["tokens"]}
+                               "top_k": r["top_k"], "tokens": r["tokens"],
+                               "on_greedy": {"top1_by_head": g["top1"], "tokens": g["tokens"]}}
         if epath.exists():
             _, state = eagle.load_head_state(directory, name)
             entry["eagle"] = eagle_eval.evaluate_head(model, state, heldout)
-            rows = eagle_eval.greedy_rows(model, heldout, prompt_len=eagle_eval.GREEDY_PROMPT)
+            if rows is None:
+                rows = eagle_eval.greedy_rows(model, heldout, prompt_len=eagle_eval.GREEDY_PROMPT)
             entry["eagle"]["on_greedy"] = eagle_eval.evaluate_head(model, state, None, rows=rows,
                                                               first=eagle_eval.GREEDY_PROMPT - 2)
         out[name] = entry
@@ -74,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
             m = d["medusa"]
             print(f"{c['name']} medusa heads, held-out top-1 by head: "
                   + " / ".join(f"{a:.1%}" for a in m["top1_by_head"])
-                  + f"; top-{m['top_k']}: " + " / ".join(f"{a:.1%}" for a in m["topk_by_head"]))
+                  + f"; top-{m['top_k']}: " + " / ".join(f"{a:.1%}" for a in m["topk_by_head"])
+                  + "; on the target's greedy continuations, top-1: "
+                  + " / ".join(f"{a:.1%}" for a in m["on_greedy"]["top1_by_head"]))
         if "eagle" in d:
             e = d["eagle"]
             print(f"{c['name']} eagle head, held-out top-1 by depth (given the path so far): "

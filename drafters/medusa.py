@@ -45,9 +45,9 @@ target's logits over those rows divided by RMS(y), so the same ranks without the
 With ``draft_vocab`` N the rows are the N most frequent ids' only (FR-Spec's draft
 vocabulary, ``drafters.draft_vocab``, as early exit reads it): a head then reads N rows
 of the head instead of 4096 -- at one row a step the head's weights, not its arithmetic,
-bound it -- and a token outside them is never drafted (the tree's ranks are those of the
-full head's held-out accuracies; within the subset they can only be as good). The proposal
-is deterministic (q = None):
+bound it -- and a token outside them is never drafted (the tree's shape still comes from
+the full head's held-out rank accuracies: over a subset a token outside it is never right,
+and one inside ranks no lower). The proposal is deterministic (q = None):
 greedy verification keeps exactly plain greedy's output, and sampling verifies the tree
 with the sibling rule (``engine.verify``), which keeps the target's distribution exactly.
 
@@ -94,6 +94,7 @@ from torch import Tensor, nn
 from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
                                   loaded_weights)
 from nodraft.drafters.draft_vocab import check as check_vocab, head_rows as vocab_rows
+from nodraft.drafters.draft_vocab import weights_path as vocab_path
 from nodraft.micro.model import Micro, MicroConfig, layer_macs
 
 SUFFIX = "medusa"
@@ -376,8 +377,10 @@ def ranking_rows(env: DrafterEnv, draft_vocab: int) -> tuple[Tensor | None, Tens
         with torch.inference_mode(False), torch.no_grad():
             return ids, (rows * m.norm.weight).contiguous()
 
-    return loaded_weights(m, weights_path(env.checkpoint_dir, env.model_name),
-                          f"medusa ranking rows {draft_vocab} {dtype}", build)
+    # keyed by the file the rows come from: the ranking's, or (the full head) the heads'
+    path = (vocab_path(env.checkpoint_dir, env.model_name) if draft_vocab
+            else weights_path(env.checkpoint_dir, env.model_name))
+    return loaded_weights(m, path, f"medusa ranking rows {draft_vocab} {dtype}", build)
 
 
 # -- untrained heads for tests ----------------------------------------------------------------

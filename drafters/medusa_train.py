@@ -16,11 +16,18 @@ predict tokens 2..K+1 ahead from its final-layer residual stream.
   1e-2, not Medusa's 1e-3: in equal 2.5-minute runs on micro (--threads 1) 1e-2 reached
   held-out top-1 0.148 / 0.090 / 0.066 / 0.057 (heads 0-3), 1e-3 only 0.109 / 0.065 /
   0.048 / 0.044 -- a CPU budget sees a few hundred steps, not Medusa's thousands;
+- ``--self-distill F`` (Medusa-2's self-distillation, as ``nodraft train eagle`` has it): a
+  share F of every batch is the target's own greedy continuations of train-split prompts
+  (``--distill-rows`` rows generated once before training), the text the heads draft on at
+  run time; ``--init MODEL`` goes on from that model's trained heads (their record nests
+  as ``init``);
 - a tqdm bar and ``<out>/<model>-medusa.log``; every ``--log-every`` steps the mean loss
   per head, and every tenth log the top-1 accuracy per head on a validation slice.
 
 At the end the heads are measured on the **held-out** split (``drafters.medusa.
-evaluate_heads``: top-1..top-k accuracy per head), and weights and record land beside the
+evaluate_heads``: top-1..top-k accuracy per head) and on the target's greedy continuations
+of held-out prompts (``heldout_greedy``: what a head must guess when it drafts on greedy
+output), and weights and record land beside the
 checkpoint as ``<model>-medusa.safetensors`` / ``.json``. The drafter builds its tree from
 those held-out accuracies. A model without a draft vocabulary gets one beside them too (its
 ids ranked by their count in the train split: ``drafters.draft_vocab``), which the heads'
@@ -44,6 +51,8 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from nodraft.drafters import draft_vocab
+from nodraft.drafters.eagle.evaluation import GREEDY_PROMPT, greedy_rows
+from nodraft.drafters.eagle.train import self_distill_rows
 from nodraft.drafters.medusa import MedusaHeads, heads_from_state, save_heads, weights_path
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
@@ -55,11 +64,13 @@ from nodraft.micro.train import lr_at
 @torch.no_grad()
 def evaluate_heads(model: Micro, heads: MedusaHeads | dict | str | Path, stream,
                    top_k: int = 10, T: int = 512, max_tokens: int = 65_536,
-                   batch: int = 8) -> dict:
+                   batch: int = 8, rows: torch.Tensor | None = None, first: int = 0) -> dict:
     """Top-1..top-k accuracy of each head on ``stream`` (held-out: ``token_stream(tok,
     "heldout")``), over consecutive windows of T + 1 tokens; head i at position j is scored
     against token j + 2 + i of its window. ``heads`` is a MedusaHeads, its state dict, or
-    a ``.safetensors`` path.
+    a ``.safetensors`` path. ``rows`` (W, T + 1) replaces the windows (``stream`` unused),
+    e.g. ``greedy_rows``: the target's own continuations; then only positions j >= ``first``
+    are scored (the continuation's, not the prompt's).
 
     Returns {"tokens", "top_k", "accuracy": [[top-1, ..., top-k] per head], "top1": [per
     head], "target_top1": the target's own next-token top-1 on the same windows}."""
@@ -72,30 +83,33 @@ def evaluate_heads(model: Micro, heads: MedusaHeads | dict | str | Path, stream,
         heads = copy.deepcopy(heads).to(dtype)
     K, L = heads.num_heads, model.config.n_layers
     top_k = min(top_k, model.config.vocab_size)
-    ids = torch.as_tensor(np.asarray(stream[:max_tokens + 1]), dtype=torch.long)
-    n_windows = (len(ids) - 1) // T
+    if rows is None:
+        ids = torch.as_tensor(np.asarray(stream[:max_tokens + 1]), dtype=torch.long)
+        n_windows = (len(ids) - 1) // T
+        windows = [ids[w * T:(w + 1) * T + 1] for w in range(n_windows)]
+    else:
+        windows, T = list(rows), rows.shape[1] - 1
     hits = torch.zeros(K, top_k, dtype=torch.long)
     counts = torch.zeros(K, dtype=torch.long)
     target_hits = target_count = 0
-    for b in range(0, n_windows, batch):
-        rows = min(batch, n_windows - b)
-        x = torch.stack([ids[(b + r) * T:(b + r + 1) * T + 1] for r in range(rows)])  # (B, T+1)
-        pos = torch.arange(T + 1).expand(rows, T + 1)
+    for b in range(0, len(windows), batch):
+        x = torch.stack(windows[b:b + batch])  # (B, T+1)
+        pos = torch.arange(T + 1).expand(x.shape[0], T + 1)
         h = model.run_layers(model.embed(x), pos, 0, L)  # (B, T+1, dim)
-        target_hits += int((model.head(h[:, :-1]).argmax(-1) == x[:, 1:]).sum())
-        target_count += x[:, 1:].numel()
+        target_hits += int((model.head(h[:, first:-1]).argmax(-1) == x[:, first + 1:]).sum())
+        target_count += x[:, first + 1:].numel()
         for i in range(K):
             span = T + 1 - (2 + i)  # positions j whose label j + 2 + i is in the window
-            if span <= 0:
+            if span <= first:
                 continue
-            logits = model.head(heads.block(h[:, :span], i))  # (B, span, V)
-            top = logits.topk(top_k, dim=-1).indices  # (B, span, k)
-            found = (top == x[:, 2 + i:, None]).flatten(0, 1)  # (N, k), at most one per row
+            logits = model.head(heads.block(h[:, first:span], i))  # (B, span - first, V)
+            top = logits.topk(top_k, dim=-1).indices
+            found = (top == x[:, first + 2 + i:, None]).flatten(0, 1)  # (N, k), one per row at most
             hits[i] += found.cumsum(-1).clamp_max(1).sum(0)
             counts[i] += found.shape[0]
     accuracy = [[round(float(hits[i, r]) / max(1, int(counts[i])), 4) for r in range(top_k)]
                 for i in range(K)]
-    return {"tokens": int(n_windows * T), "top_k": top_k, "accuracy": accuracy,
+    return {"tokens": int(len(windows) * (T - first)), "top_k": top_k, "accuracy": accuracy,
             "top1": [row[0] for row in accuracy],
             "target_top1": round(target_hits / max(1, target_count), 4)}
 
@@ -121,7 +135,18 @@ def train(args: argparse.Namespace, command: str) -> dict:
     train_ids = token_stream(tok, "train")
     val_ids = token_stream(tok, "validation")
     heldout_ids = token_stream(tok, "heldout")
-    heads = MedusaHeads(args.heads, c.dim)
+    heads, init_record = MedusaHeads(args.heads, c.dim), None
+    if args.init:  # go on from trained heads (their weights; their record nests as "init")
+        init_path = weights_path(checkpoints, args.init)
+        heads = heads_from_state(load_file(str(init_path)))
+        if heads.num_heads != args.heads or heads.weight.shape[-1] != c.dim:
+            raise SystemExit(f"--init {args.init}: {heads.num_heads} heads of dim "
+                             f"{heads.weight.shape[-1]}, not --heads {args.heads} of {c.dim}")
+        heads = heads.float().requires_grad_(True)
+        init_record = json.loads(init_path.with_suffix(".json").read_text())
+    pool, n_distill = None, round(args.batch_size * args.self_distill)
+    if n_distill:  # the target's own greedy continuations: the text the heads draft on
+        pool = self_distill_rows(model, train_ids, args.distill_rows, args.seq_len, args.seed, say)
     say(f"command: {command}")
     say(f"target {args.model} ({model.num_params()} params, frozen); {args.heads} heads of "
         f"{heads.weight[0].numel() + heads.bias[0].numel()} params; train tokens {len(train_ids)}")
@@ -162,7 +187,10 @@ def train(args: argparse.Namespace, command: str) -> dict:
         lr = lr_at(progress, args.lr, warmup=0.02, floor=0.0)
         for g in opt.param_groups:
             g["lr"] = lr
-        x = sampler.batch(args.batch_size)
+        x = sampler.batch(args.batch_size - n_distill)
+        if n_distill:
+            pick = torch.randint(0, len(pool), (n_distill,), generator=sampler.gen)
+            x = torch.cat([x, pool[pick]])
         opt.zero_grad(set_to_none=True)
         losses = step_loss(x)
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
@@ -193,6 +221,12 @@ def train(args: argparse.Namespace, command: str) -> dict:
     say(f"held-out ({heldout['tokens']} tokens, {time.time() - t_eval:.0f}s): top-1 per head "
         + " ".join(f"{a:.3f}" for a in heldout["top1"])
         + f"; the target's own next-token top-1 {heldout['target_top1']:.3f}")
+    own = evaluate_heads(model, heads, None, top_k=args.top_k, first=GREEDY_PROMPT - 2,
+                         rows=greedy_rows(model, heldout_ids, windows=args.eval_windows,
+                                          prompt_len=GREEDY_PROMPT,
+                                          seq_len=min(256, c.max_positions - 1)))
+    say("held-out prompts, the target's greedy continuations: top-1 per head "
+        + " ".join(f"{a:.3f}" for a in own["top1"]))
     target_file = checkpoints / f"{args.model}.safetensors"
     record = {
         "name": name, "target": args.model,
@@ -202,7 +236,9 @@ def train(args: argparse.Namespace, command: str) -> dict:
         "num_heads": K, "seed": args.seed, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "copy_frac": args.copy_frac, "random_frac": args.random_frac,
         "lr": args.lr, "bf16": args.bf16, "threads": torch.get_num_threads(),
-        "heldout": heldout,
+        "self_distill": args.self_distill, "distill_rows": args.distill_rows if n_distill else 0,
+        "init": init_record,
+        "heldout": heldout, "heldout_greedy": own,
         "history": history,
     }
     path = save_heads(heads, args.model, record, checkpoints)
@@ -243,6 +279,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs", help="folder for the log")
     p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR),
                    help="where the target is, and where the heads go")
+    p.add_argument("--init", default=None, metavar="MODEL",
+                   help="go on from MODEL's trained heads (same --heads)")
+    p.add_argument("--self-distill", type=float, default=0.0,
+                   help="share of every batch that is the target's own greedy continuations "
+                        "of train-split prompts (Medusa-2's self-distillation)")
+    p.add_argument("--distill-rows", type=int, default=512,
+                   help="greedy rows generated once, before training, for --self-distill")
+    p.add_argument("--eval-windows", type=int, default=64,
+                   help="held-out prompts continued greedily for the heldout_greedy figures")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -252,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.heads < 1:
         p.error("--heads must be at least 1")
+    if not 0.0 <= args.self_distill < 1.0 or args.distill_rows < 1:
+        p.error("--self-distill must be in [0, 1) and --distill-rows at least 1")
     record = train(args, " ".join(["nodraft train medusa", *argv]))
     print(json.dumps({k: v for k, v in record.items() if k != "history"}, indent=1))
 

@@ -77,3 +77,17 @@ def test_a_drafters_settings_are_columns_of_their_own(tmp_path, capsys):
         with pytest.raises(SystemExit):
             bench.main(["--models", "micro", "--methods", bad])
     assert "window must be in 1..32" in capsys.readouterr().err
+
+
+def test_trained_drafters_read_their_weights_from_the_checkpoints_given(tmp_path):
+    import shutil
+
+    from nodraft.drafters.base import SpeculationError
+    from nodraft.micro.checkpoint import CHECKPOINT_DIR
+
+    for name in ("micro.safetensors", "micro.json", "tokenizer.json"):
+        shutil.copy(CHECKPOINT_DIR / name, tmp_path)  # the model without its heads
+    with pytest.raises(SpeculationError, match="no Medusa heads for 'micro'"):
+        bench.main(["--models", "micro", "--checkpoints", str(tmp_path), "--methods", "medusa",
+                    "--categories", "code", "--regimes", "greedy", "--prompts", "1",
+                    "--tokens", "4", "--repeats", "1", "--eager"])

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from nodraft.drafters.base import DraftContext
 from nodraft.drafters.medusa import (Medusa, MedusaHeads, build_tree, head_cost, rank_accuracies,
@@ -232,6 +233,47 @@ def test_a_quick_training_run_writes_loadable_heads(tmp_path):
                        last_hidden=torch.randn(1, config.dim))
     draft = drafter.propose(ctx, 8)  # an untrained target: maybe no rank ever right, no tree
     assert len(draft) == min(8, len(drafter.tree))
+
+
+def test_self_distillation_goes_on_from_trained_heads(tmp_path):
+    from nodraft.drafters.medusa_train import main
+
+    torch.manual_seed(0)
+    config = MicroConfig(vocab_size=4096, dim=16, n_layers=1, n_heads=2, ffn_dim=32,
+                         max_positions=256)
+    save_model(Micro(config).eval(), "mini", {"name": "mini"}, tmp_path)
+    common = ["--model", "mini", "--checkpoints", str(tmp_path), "--out", str(tmp_path),
+              "--steps", "2", "--heads", "2", "--batch-size", "2", "--seq-len", "140",
+              "--top-k", "3", "--heldout-tokens", "282", "--threads", "1", "--log-every", "1",
+              "--val-tokens", "141", "--eval-windows", "2"]
+    main(common)
+    first = weights_path(tmp_path, "mini")
+    before = load_file(str(first))["weight"].clone()
+    main(common + ["--init", "mini", "--self-distill", "0.5", "--distill-rows", "3"])
+    record = json.loads(first.with_suffix(".json").read_text())
+    assert record["self_distill"] == 0.5 and record["distill_rows"] == 3
+    assert record["init"]["steps"] == 2 and record["init"]["self_distill"] == 0.0
+    assert not torch.equal(load_file(str(first))["weight"], before)  # trained on from them
+    own = record["heldout_greedy"]  # the continuations only: 2 rows of 255 - 62 positions
+    assert own["tokens"] == 2 * (255 - 62) and len(own["accuracy"]) == 2
+    with pytest.raises(SystemExit):  # another number of heads than the ones it goes on from
+        main(common[:-2] + ["--heads", "3", "--init", "mini"])
+
+
+def test_nodraft_eval_reports_the_heads_on_held_out_text_and_on_greedy_continuations(tmp_path):
+    from nodraft.drafters.evaluation import evaluate_drafters
+    from nodraft.micro.checkpoint import load_model
+
+    torch.manual_seed(0)
+    config = MicroConfig(vocab_size=4096, dim=16, n_layers=1, n_heads=2, ffn_dim=32,
+                         max_positions=1024)
+    save_model(Micro(config).eval(), "mini", {"name": "mini"}, tmp_path)
+    write_untrained(load_model("mini", tmp_path), "mini", tmp_path)
+    m = evaluate_drafters(tmp_path, ["mini"], max_tokens=2000)["mini"]["medusa"]
+    assert len(m["top1_by_head"]) == 4 and m["tokens"] == 3 * 512
+    g = m["on_greedy"]  # 64 held-out prompts continued to 257 tokens, the continuation scored
+    assert len(g["top1_by_head"]) == 4 and g["tokens"] == 64 * (256 - 62)
+    assert all(0.0 <= a <= 1.0 for a in g["top1_by_head"])
 
 
 def test_save_and_test_env_use_the_same_file_names(tmp_path):
