@@ -20,6 +20,7 @@ from pathlib import Path
 
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import token_stream
+from nodraft.micro.greedy import GREEDY_PROMPT, greedy_rows
 from nodraft.micro.eval import VARIANTS, evaluate, render
 
 
@@ -42,8 +43,8 @@ def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None 
         rows = None
         if mpath.exists():
             r = evaluate_heads(model, mpath, heldout, max_tokens=max_tokens or 65_536)
-            rows = eagle_eval.greedy_rows(model, heldout, prompt_len=eagle_eval.GREEDY_PROMPT)
-            g = evaluate_heads(model, mpath, None, rows=rows, first=eagle_eval.GREEDY_PROMPT - 2)
+            rows = greedy_rows(model, heldout, prompt_len=GREEDY_PROMPT)
+            g = evaluate_heads(model, mpath, None, rows=rows, first=GREEDY_PROMPT - 2)
             entry["medusa"] = {"top1_by_head": r["top1"], "topk_by_head": [a[-1] for a in r["accuracy"]],
                                "top_k": r["top_k"], "tokens": r["tokens"],
                                "on_greedy": {"top1_by_head": g["top1"], "tokens": g["tokens"]}}
@@ -51,9 +52,9 @@ def evaluate_drafters(directory: Path, names: list[str], max_tokens: int | None 
             _, state = eagle.load_head_state(directory, name)
             entry["eagle"] = eagle_eval.evaluate_head(model, state, heldout)
             if rows is None:
-                rows = eagle_eval.greedy_rows(model, heldout, prompt_len=eagle_eval.GREEDY_PROMPT)
+                rows = greedy_rows(model, heldout, prompt_len=GREEDY_PROMPT)
             entry["eagle"]["on_greedy"] = eagle_eval.evaluate_head(model, state, None, rows=rows,
-                                                              first=eagle_eval.GREEDY_PROMPT - 2)
+                                                              first=GREEDY_PROMPT - 2)
         out[name] = entry
     return out
 

@@ -51,11 +51,10 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from nodraft.drafters import draft_vocab
-from nodraft.drafters.eagle.evaluation import GREEDY_PROMPT, greedy_rows
-from nodraft.drafters.eagle.train import self_distill_rows
 from nodraft.drafters.medusa import MedusaHeads, heads_from_state, save_heads, weights_path
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
+from nodraft.micro.greedy import GREEDY_PROMPT, greedy_rows, self_distill_rows
 from nodraft.micro.model import Micro
 from nodraft.micro.train import lr_at
 

@@ -1,6 +1,6 @@
-"""Measuring an EAGLE head: the target's features and greedy continuations, held-out top-1
-accuracy by tree depth, and the CPU time of a draft step (used by ``nodraft train eagle``
-and ``nodraft eval``; never by serving)."""
+"""Measuring an EAGLE head: the target's features, held-out top-1 accuracy by tree depth
+(on the target's greedy continuations too: ``micro.greedy``), and the CPU time of a draft
+step (used by ``nodraft train eagle`` and ``nodraft eval``; never by serving)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from nodraft.drafters.base import DraftContext, DrafterEnv
 from nodraft.drafters.eagle.drafter import Eagle
 from nodraft.drafters.eagle.head import EagleHead, features, save_head, unroll
 from nodraft.micro.model import Micro
-from nodraft.micro.ops import apply_rope
 
 
 @torch.no_grad()
@@ -24,58 +22,6 @@ def target_features(model: Micro, ids: Tensor) -> tuple[Tensor, Tensor]:
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     h = model.run_layers(model.embed(ids), pos, 0, model.config.n_layers)
     return features(model, h), h
-
-
-@torch.no_grad()
-def greedy_continue(model, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """The target's greedy continuation of each row of ``prompts`` (B, P) by ``n_new``
-    tokens: (B, P + n_new). Batched, with a key/value cache of its own (micro's KVCache
-    holds one row per slot); the same layers and arithmetic as ``Micro.forward``. For
-    self-distillation (``drafters.eagle.train``) and evaluation on the target's own text."""
-    B, P = prompts.shape
-    c = model.config
-    H, D = c.n_heads, c.head_dim
-    total = P + n_new
-    ks = torch.zeros(c.n_layers, B, H, total, D, dtype=model.tok_embeddings.weight.dtype)
-    vs = torch.zeros_like(ks)
-    out = torch.empty(B, total, dtype=torch.long)
-    out[:, :P] = prompts
-    x, start = prompts, 0
-    for _ in range(n_new):
-        T = x.shape[1]
-        pos = torch.arange(start, start + T)
-        cos, sin = model.rope_cos[pos][None, None], model.rope_sin[pos][None, None]
-        h = model.embed(x)
-        for i, layer in enumerate(model.layers):
-            att, an, fn = layer.attention, layer.attention_norm, layer.ffn_norm
-            qkv = F.linear(F.rms_norm(h, an.weight.shape, an.weight, an.eps), att.wqkv.weight)
-            qkv = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4)
-            q, k = apply_rope(qkv[:2], cos, sin).unbind(0)
-            ks[i, :, :, start:start + T], vs[i, :, :, start:start + T] = k, qkv[2]
-            y = F.scaled_dot_product_attention(q, ks[i, :, :, :start + T],
-                                               vs[i, :, :, :start + T], is_causal=T > 1)
-            h = h + F.linear(y.transpose(1, 2).reshape(B, T, c.dim), att.wo.weight)
-            h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
-        nxt = model.head(h[:, -1]).argmax(-1)
-        start += T
-        out[:, start] = nxt
-        x = nxt[:, None]
-    return out
-
-
-GREEDY_PROMPT = 64  # held-out prompt tokens before the target's greedy continuation
-
-
-def greedy_rows(model: Micro, stream, windows: int = 64, prompt_len: int = 64,
-                seq_len: int = 256, seed: int = 0) -> Tensor:
-    """``windows`` prompts of ``prompt_len`` tokens from ``stream`` (e.g. the held-out
-    split), each continued by the target's greedy decoding to seq_len + 1 tokens: the text
-    a drafter meets at run time, where what it must guess is the target's own output."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.as_tensor(stream, dtype=torch.long)
-    starts = torch.randint(0, len(ids) - prompt_len, (windows,), generator=gen)
-    prompts = torch.stack([ids[s:s + prompt_len] for s in starts.tolist()])
-    return greedy_continue(model, prompts, seq_len + 1 - prompt_len)
 
 
 @torch.no_grad()
@@ -95,7 +41,7 @@ def evaluate_head(model: Micro, head_state: dict[str, Tensor], stream, depth: in
     ``vocab_coverage`` is the share of the target's greedy tokens inside the draft
     vocabulary (the ceiling on every figure).
 
-    ``rows`` (W, seq_len + 1) replaces the windows, e.g. ``greedy_rows``: the target's own
+    ``rows`` (W, seq_len + 1) replaces the windows, e.g. ``micro.greedy.greedy_rows``: the target's own
     greedy continuations, where the path read *is* the run-time path and ``top1[d-1]`` the
     chance that a chain's d-th draft is accepted after d-1 were; ``first`` then counts only
     positions from there on (the continuation, not its prompt)."""

@@ -20,7 +20,7 @@ with w = ``--ce-weight`` (EAGLE's 0.1 by default).
 
 ``--self-distill F`` makes a share F of every batch the target's own greedy continuations
 of train-split prompts (16-128 tokens, continued to ``--seq-len`` + 1; ``--distill-rows``
-rows generated once before training, batched, ``evaluation.greedy_continue``): at run
+rows generated once before training, batched, ``micro.greedy.greedy_continue``): at run
 time the head drafts on the target's greedy output, which for a small model loops and
 repeats in ways natural text does not. ``--init MODEL`` goes on from a trained head (its
 weights and draft vocabulary; the record nests that head's record as ``init``). The
@@ -51,39 +51,18 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from nodraft.drafters.draft_vocab import draft_vocabulary
 from nodraft.drafters.eagle.drafter import Eagle
-from nodraft.drafters.eagle.evaluation import (GREEDY_PROMPT, evaluate_head, greedy_continue,
-                                               greedy_rows, target_features, time_draft_step)
+from nodraft.drafters.eagle.evaluation import evaluate_head, target_features, time_draft_step
 from nodraft.drafters.eagle.head import EagleHead, load_head_state, save_head, unroll
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
+from nodraft.micro.greedy import GREEDY_PROMPT, greedy_rows, self_distill_rows
 from nodraft.micro.train import lr_at
-
-
-def self_distill_rows(model, stream: np.ndarray, n_rows: int, seq_len: int, seed: int,
-                      say=print, batch: int = 128) -> torch.Tensor:
-    """``n_rows`` rows of seq_len + 1 tokens: a train-split prompt of 16-128 tokens (a
-    random length per batch) and the target's greedy continuation of it -- the text the
-    head drafts at run time, where the target's own greedy output is what it must guess
-    (for micro, often a loop the natural text never shows)."""
-    gen = torch.Generator().manual_seed(seed + 7)
-    ids = torch.from_numpy(stream.astype(np.int64))
-    rows = []
-    t0 = time.time()
-    for b in range(0, n_rows, batch):
-        B = min(batch, n_rows - b)
-        P = int(torch.randint(16, 129, (1,), generator=gen))
-        starts = torch.randint(0, len(ids) - P, (B,), generator=gen)
-        prompts = torch.stack([ids[s:s + P] for s in starts.tolist()])
-        rows.append(greedy_continue(model, prompts, seq_len + 1 - P))
-        say(f"self-distillation rows: {b + B}/{n_rows} ({time.time() - t0:.0f} s)")
-    return torch.cat(rows)
 
 
 def head_loss(head: EagleHead, model, x: torch.Tensor, ttt_steps: int, noise: float,

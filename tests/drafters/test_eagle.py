@@ -11,7 +11,8 @@ from scipy.stats import chisquare
 
 from nodraft.drafters.base import DraftContext
 from nodraft.drafters.eagle import Eagle, features, load_head_state, write_untrained
-from nodraft.drafters.eagle.evaluation import evaluate_head, greedy_continue
+from nodraft.drafters.eagle.evaluation import evaluate_head
+from nodraft.micro.greedy import greedy_continue
 from nodraft.drafters.eagle.head import unroll
 from nodraft.drafters.registry import DrafterEnv, SpeculationError
 from nodraft.micro.model import KVCache
