@@ -3,14 +3,17 @@ position, divided by the measured cost of the passes that verify it.
 
     python benchmarks/eagle_ceiling.py [--models micro,micro-layerskip] [--temperature 0.8]
                                        [--top-p 0.95] [--seeds 5] [--tokens 128]
-                                       [--category code] [--prompts 2] [--out FILE.json]
+                                       [--category code] [--prompts 2] [--depth 6]
+                                       [--out FILE.json]
 
 For each model: the workload suite's prompts of ``--category`` (``clients.bench``), each
-decoded with ``none`` and with EAGLE's default chain in turn per seed (compiled passes,
-one thread, seeded sampling: both decode the same text, which is checked), and
+decoded with ``none`` and with an EAGLE top-1 chain of ``--depth`` draft tokens (6 by
+default, the chain docs/BENCHMARKS.md's figures read; EAGLE's own default is one token) in
+turn per seed (compiled passes, one thread, seeded sampling: both decode the same text,
+which is checked), and
 
 - ``P(accepted >= j)``: the share of EAGLE's steps whose draft had at least j tokens
-  accepted, j = 1..depth. EAGLE's default is a top-1 chain, so a chain cut to depth d
+  accepted, j = 1..depth. A top-1 chain cut to depth d
   proposes the same first d tokens and keeps the same ones: 1 + sum_{j<=d} P(>= j) is the
   tokens per pass a depth-d chain would make;
 - the pass-cost table ``auto`` prices drafts with (``drafters.costs.measure``: passes of
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--category", default="code", choices=bench.CATEGORIES)
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--target", type=float, default=1.5)
+    p.add_argument("--depth", type=int, default=6, help="the top-1 chain's draft tokens")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -79,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
                "machine": platform.machine(), "torch": torch.__version__,
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "temperature": args.temperature, "top_p": args.top_p, "models": {}}
-    depth = registry.parse({"method": "eagle"})[1].depth  # EAGLE's default chain
+    depth = args.depth
+    chain = {"depth": depth, "top_k": 1, "total_tokens": depth + 1}
 
     def sampling(seed: int) -> SamplingParams:
         return SamplingParams(args.temperature, args.top_p, seed=seed)
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         one = table.table(1)
         pass_rows = lambda r: table.table(r) / one  # noqa: E731
         # compiled at its first use: EAGLE's draft step, untimed
-        decode(model, prompts[0]["ids"], 16, "eagle", None, registry, {}, name, None,
+        decode(model, prompts[0]["ids"], 16, "eagle", chain, registry, {}, name, None,
                sampling(0))
         hits, steps, draft_s, ratios = [0] * depth, 0, 0.0, []
         for prompt in prompts:
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 sp = sampling(1000 + k)
                 base = decode(model, prompt["ids"], args.tokens, "none", None, registry, None,
                               name, None, sp)
-                run = decode(model, prompt["ids"], args.tokens, "eagle", None, registry, {},
+                run = decode(model, prompt["ids"], args.tokens, "eagle", chain, registry, {},
                              name, None, sp)
                 if run.tokens != base.tokens:
                     raise SystemExit(f"{name}: EAGLE changed the text (seed {sp.seed})")

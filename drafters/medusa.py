@@ -130,9 +130,6 @@ class MedusaHeads(nn.Module):
             return (h + F.silu(F.linear(h, self.weight[0], self.bias[0])))[None]
         return h + F.silu(torch.matmul(self.weight[:heads], h) + self.bias[:heads])
 
-    def logits(self, model: Micro, h: Tensor, heads: int | None = None) -> Tensor:
-        """Logits (..., heads, V) of the first ``heads`` heads, through the target's head."""
-        return model.head(self(h, heads))
 
 
 def head_cost(c: MicroConfig, draft_vocab: int = 0) -> float:

@@ -441,8 +441,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:  # a head arriving: count it to its blank line
-            ends = [i for i in (data.find(b"\r\n\r\n"), data.find(b"\n\n")) if i >= 0]
-            self._head_bytes += min(ends) + 4 if ends else len(data)
+            ends = [i + len(blank) for blank in (b"\r\n\r\n", b"\n\n")
+                    if (i := data.find(blank)) >= 0]
+            self._head_bytes += min(ends) if ends else len(data)
             if self._head_bytes > MAX_HEADER_BYTES:
                 self._headers_done()
                 self._reply_and_close(431, "Request Header Fields Too Large", error_body(
