@@ -25,11 +25,15 @@ alternated, each repeat its own seed: the median of ``--repeats`` and its range)
 **loop share** of the text: the fraction of generated tokens that complete a ``LOOP_N``-gram
 already generated. A speed-up bought by a loop shows as a loop share near 1. Drafters start
 each run from a fresh server (no state from an earlier request: suffix decoding's store is
-empty, ``auto`` has no estimates yet).
+empty, ``auto`` has no estimates yet), or with ``--server warm`` from the state of a server
+that has served the other categories' prompts once in the same regime with the same drafter
+(``auto``'s beliefs, step overheads and rests; suffix decoding's store is still empty, so no
+run is helped by an earlier response).
 
     nodraft bench [--models micro,micro-layerskip] [--categories code,edit,rag,chat,long]
                   [--regimes greedy,t0.7,t1.0] [--methods ...] [--prompts 2] [--tokens 128]
-                  [--repeats 5] [--threads 1] [--eager] [--json-out F] [--md-out F] [--plot F]
+                  [--repeats 5] [--threads 1] [--eager] [--server fresh|warm]
+                  [--json-out F] [--md-out F] [--plot F]
 
 A ``--methods`` item is a drafter's name, or its name and parameters as ``nodraft loadtest``
 takes them -- ``lookahead:window=1:ngram=3:guesses=2`` -- so settings can be compared side
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import platform
 import statistics
@@ -50,7 +55,7 @@ from pathlib import Path
 import torch
 
 from nodraft.clients.loadtest import speculation
-from nodraft.clients.measure import alternated
+from nodraft.clients.measure import alternated, warmed_server
 from nodraft.drafters.registry import Registry
 from nodraft.engine.verify import SamplingParams
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
@@ -173,11 +178,15 @@ def regime_sampling(regime: str, repeat: int) -> SamplingParams:
 
 
 def measure(model, name: str, prompt: dict, regime: str, method: str, params: dict,
-            tokens: int, repeats: int, registry: Registry, heads: Path | None = None) -> dict:
+            tokens: int, repeats: int, registry: Registry, heads: Path | None = None,
+            shared=None) -> dict:
     """One row: ``method`` against ``none`` on one prompt in one regime, alternated;
-    ``heads``: where trained drafters' weights are (default: the bundled checkpoints')."""
-    pairs = alternated(model, prompt["ids"], tokens, method, params, repeats, name, heads=heads,
-                       registry=registry, sampling=lambda r: regime_sampling(regime, r),
+    ``heads``: where trained drafters' weights are (default: the bundled checkpoints');
+    ``shared``: a function returning the server-wide state each run starts from (default:
+    a fresh server's)."""
+    pairs = alternated(model, prompt["ids"], tokens, method, params, repeats, name, shared,
+                       heads=heads, registry=registry,
+                       sampling=lambda r: regime_sampling(regime, r),
                        stop_ids=frozenset(prompt.get("stop_ids", ())))
     ratios = [b.seconds / run.seconds for b, run in pairs]
     base = [len(b.tokens) / b.seconds for b, _ in pairs]
@@ -217,8 +226,10 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def render(result: dict) -> str:
     methods = result["methods"]
+    state = ("every run from a fresh server" if result.get("server", "fresh") == "fresh" else
+             "every run from a server that has served the other categories' prompts")
     lines = [f"Command: `{result['command']}` ({result['tokens']} tokens, median of "
-             f"{result['repeats']} alternated runs, {result['machine']})", "",
+             f"{result['repeats']} alternated runs, {result['machine']}; {state})", "",
              "| model | regime | category | loop share | " + " | ".join(methods)
              + " | best single |",
              "|---|---|---|---|" + "---|" * len(methods) + "---|"]
@@ -272,6 +283,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="eager passes (default: compiled)")
     p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR))
+    p.add_argument("--server", choices=("fresh", "warm"), default="fresh",
+                   help="the server-wide state every run starts from: a fresh server's, or "
+                   "(warm) one that has served the other categories' prompts once in the "
+                   "same regime with the same drafter (auto's beliefs and rests; never "
+                   "suffix decoding's store of responses)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--md-out", default=None)
     p.add_argument("--plot", default=None, help="a PNG of speed-up by category and drafter")
@@ -302,14 +318,30 @@ def main(argv: list[str] | None = None) -> None:
     tok = load_tokenizer()
     prompts = build_prompts(tok, args.prompts)
     rows, t0 = [], time.time()
+
+    @functools.lru_cache(maxsize=None)
+    def warm(model, name: str, category: str, regime: str, method: str):
+        """The state of a server that has served the other categories' prompts once, in
+        ``regime`` (sampled: seed ``SEED0 - 1``, a text no measured repeat decodes)."""
+        others = [q for c in CATEGORIES if c != category for q in prompts[c]]
+        sp = REGIMES[regime]
+        if not sp.greedy:
+            sp = SamplingParams(sp.temperature, sp.top_p, sp.top_k, seed=SEED0 - 1)
+        meth, params = specs[method]
+        return warmed_server(model, others, args.tokens, meth, name, None if sp.greedy else sp,
+                             Path(args.checkpoints), params)
+
     for name in split(args.models):
         model = load_model(name, Path(args.checkpoints)).compile(not args.eager)
         for category in categories:
             for prompt in prompts[category]:
                 for regime in regimes:
                     for method in methods:
+                        shared = None
+                        if args.server == "warm":
+                            shared = warm(model, name, category, regime, method)
                         row = measure(model, name, prompt, regime, *specs[method], args.tokens,
-                                      args.repeats, registry, Path(args.checkpoints))
+                                      args.repeats, registry, Path(args.checkpoints), shared)
                         row.update(method=method, model=name, category=category,
                                    prompt=prompt["name"], regime=regime)
                         rows.append(row)
@@ -319,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
                               f"{row['speedup_max']:.2f}) tok/pass {row['tokens_per_pass']:.2f} "
                               f"loops {row['loop_share']:.0%}", file=sys.stderr, flush=True)
     result = {"command": "nodraft bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "server": args.server,
               "machine": f"{platform.processor() or platform.machine()}, torch "
                          f"{torch.__version__}, {args.threads} thread(s), "
                          f"{'eager' if args.eager else 'compiled'} passes",

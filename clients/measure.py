@@ -26,6 +26,7 @@ from nodraft.drafters.registry import DrafterEnv, Registry
 from nodraft.micro.corpus import split_documents
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.tokenizer import Tokenizer
+from nodraft.engine.process import freeze_heap
 from nodraft.engine.sequence import Sequence
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.verify import SamplingParams
@@ -91,7 +92,8 @@ def alternated(model: Micro, prompt: list[int], n_tokens: int, method: str,
                sampling=None, stop_ids: frozenset[int] = frozenset()) -> list[tuple[Run, Run]]:
     """``repeats`` pairs (none's run, the drafter's run), decoded in turn so drift on a
     shared machine hits both, after an untimed warm-up of the drafter (what it compiles at
-    its first use); each pair checked to give the same tokens. ``sampling(r)``: repeat
+    its first use; then the heap is frozen, as the engine process freezes it); each pair
+    checked to give the same tokens. ``sampling(r)``: repeat
     r's sampling parameters (None: greedy; seeded sampling gives every drafter the same
     text). Each drafter run starts with fresh per-request state and, by default, a fresh
     server (``shared``: a function returning the server-wide drafter state each run
@@ -102,6 +104,10 @@ def alternated(model: Micro, prompt: list[int], n_tokens: int, method: str,
     sp = sampling or (lambda r: None)
     decode(model, prompt, n_tokens, method, params, reg, state(), model_name, heads, sp(0),
            stop_ids)
+    # what the warm-up compiled and loaded, out of the collector's reach, as the engine
+    # process has it (``freeze_heap``): else a full collection walking the compiler's
+    # objects stalls whichever run it falls in for up to ~0.1 s
+    freeze_heap()
     pairs = []
     for r in range(repeats):
         b = decode(model, prompt, n_tokens, "none", None, reg, None, model_name, None, sp(r),
@@ -127,15 +133,23 @@ def measured_speedup(model: Micro, prompt: list[int], n_tokens: int, method: str
             statistics.median(b.seconds for b, _ in pairs))
 
 
-def warmed_server(model: Micro, prompt: list[int], n_tokens: int, method: str = "auto",
-                  model_name: str = "micro"):
-    """A function returning server-wide drafter state as a server leaves it after one
-    ``method`` request on ``prompt`` (another prompt than the one measured): auto's
-    acceptance estimates per drafter and match length and its drafting times, each call a
-    fresh copy. Suffix decoding's global store is left out: responses to this prompt
-    would not be in a fresh server's store either."""
+def warmed_server(model: Micro, prompt: list[int] | list[dict], n_tokens: int,
+                  method: str = "auto", model_name: str = "micro",
+                  sampling: SamplingParams | None = None, heads: Path | None = None,
+                  params: dict | None = None):
+    """A function returning server-wide drafter state as a server leaves it after
+    ``method`` requests (with ``params``) on ``prompt`` (other prompts than the one
+    measured: one prompt's ids, or several ``{"ids", "stop_ids"}``), decoded with
+    ``sampling`` (None: greedy):
+    auto's acceptance estimates per drafter and match length, its drafting times, step
+    overheads and rests, each call a fresh copy. Suffix decoding's global store is left
+    out: responses to this prompt would not be in a fresh server's store either."""
     warm: dict = {}
-    decode(model, prompt, n_tokens, method, shared=warm, model_name=model_name)
+    items = [{"ids": prompt}] if prompt and isinstance(prompt[0], int) else prompt
+    for item in items:
+        decode(model, item["ids"], n_tokens, method, params, shared=warm, model_name=model_name,
+               heads=heads, sampling=sampling,
+               stop_ids=frozenset(item.get("stop_ids", ())))
     kept = {k: v for k, v in warm.items() if k.startswith("auto_")}
 
     def shared() -> dict:

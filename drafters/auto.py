@@ -24,15 +24,18 @@ signals each is judged on:
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 - **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
   nothing beat plain decoding, auto does not ask at the next step, nor at the next 2, 4,
-  8, 16 and then 32 after further such steps in a row (``REST_MAX``; any draft sent ends
-  it); the passes it rests are plain decoding, and a rested step skips auto's own
-  bookkeeping. Asking costs tens of microseconds on a step of a few hundred
-  (more after a rest: the request's n-gram index catches up), and under sampling nothing
-  pays at most steps. A copy that starts at a rested step is met some steps late, so auto
-  does not rest while any match length's acceptance -- this request's, or at its start
-  the server's -- is believed at least ``COPIES_PAY`` (a copy's first step is worth
-  several tokens). Greedy it asks every step: there copies pay, and rests measured a loss
-  (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
+  8, 16 and then 32 after further such steps in a row (``REST_MAX``); a draft with tokens
+  accepted starts them over. The passes it rests are plain decoding, and a rested step
+  skips auto's own bookkeeping: an asked step costs tens of microseconds of auto's work
+  and a slower pass after it, on a step of a few hundred, and under sampling nothing pays
+  at most steps. The rest lengths are the server's, per regime: a request goes on from
+  where the server's requests left them since a draft last paid (``server_pause``). A
+  copy that starts at a rested step would be met some steps late, so while any cheap
+  drafter's match length is believed at least ``COPIES_PAY`` (a copy's first step is
+  worth several tokens) -- this request's belief, or at its start the server's -- a
+  rested step looks whether such a match is there (``_copy_now``: a search of the
+  request's tokens) and asks at once if it is. Greedy it asks every step: there copies
+  pay, and rests measured a loss (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied); the others
   are asked again at the first step it does not win outright.
@@ -44,15 +47,15 @@ match is accepted far more often than a 1-gram one, and a greedy request's accep
 little about a sampled one's. Each belief counts the accepted tokens and
 the rejections of the request's recent steps (decayed: an exponential moving average),
 starting from what earlier requests on this server counted for that key (kept per model),
-so a fresh request starts informed; a key the server has not counted starts at weight 2
+scaled to ``PRIOR_STRENGTH`` pseudo-counts, so a fresh request starts informed and its own
+steps soon move it; a key the server has not counted starts at weight 2
 (as Beta(1, 1)), centred on what it counted of the same drafter's shorter matches in the
 same regime, uniform until it counted a few (``POOLED_MIN``). A cheap drafter's chain
 that auto did not send is scored too, against the tokens
 the pass emitted (its matching prefix; a mismatch within them counts as a rejection), so a
 drafter passed over once is not stuck at its prior. A belief not updated for a while is
 pulled back towards the server-wide one, so a text that turns repetitive is noticed. The
-drafters share one n-gram index of the request (``drafters.ngrams.request_index``), built
-once a step.
+drafters share one index of the request's tokens (``drafters.ngrams.request_index``).
 
 Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
 rows, interpolated), measured once per model at the first ``auto`` step (in that
@@ -84,7 +87,8 @@ from nodraft.drafters.registry import Registry
 from nodraft.drafters.ngrams import request_index
 from nodraft.drafters import costs
 from nodraft.drafters.costs import _COSTS, MAX_ROWS, ROWS, PassCost  # noqa: F401 (re-exported)
-from nodraft.drafters.goodput import SERVER_DECAY, Acceptance, best_length, regime
+from nodraft.drafters.goodput import (PRIOR_STRENGTH, SERVER_DECAY, Acceptance,
+                                      best_length, regime)
 from nodraft.micro.model import KVCache
 
 CHEAP = ("prompt_lookup", "suffix")
@@ -92,7 +96,9 @@ TRAINED = ("eagle", "medusa")
 
 MAX_MATCH = 8  # match lengths at or above this share one estimate
 # where some match length's acceptance is believed at least this (a copy that starts is
-# worth ~4 tokens a step), a copy's first step is worth meeting at once: auto never rests
+# worth ~4 tokens a step), a copy's first step is worth meeting at once: a rested step
+# asks where a match that long is there (``Auto._copy_now``); a trained drafter believed
+# this good stops the rests
 COPIES_PAY = 0.8
 REST_MAX = 32  # the longest rest, in steps (``Auto.propose``)
 # the sampling regimes auto rests in: both sampled ones, where asking at every step cost
@@ -174,7 +180,12 @@ class Auto(DrafterBase):
         self.reg = "greedy"  # this request's sampling regime
         self.rest = 0  # steps left not to ask at (``propose``)
         self.pause = 0  # the last rest's length
+        # server-wide, per sampling regime: the rest length its requests have reached since
+        # a draft last paid there (a request's rests go on from it)
+        self.server_pause: dict[str, int] = env.shared.setdefault("auto_pause", {})
         self.copies_pay: set[tuple] = set()  # keys believed at least COPIES_PAY
+        self._wake: tuple | None = None  # ``_wake_lengths`` of copies_pay ...
+        self._wake_stale = False  # ... unless copies_pay changed since
         self.seeded = False  # copies_pay has the server's beliefs (the first asked step)
         # server-wide: seconds recent steps took beyond their pass, asked without a draft
         # and with a cheap drafter's draft; ``_draft_overhead`` prices drafts by them
@@ -186,28 +197,23 @@ class Auto(DrafterBase):
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
-        (``names``: only these). A trained one is checked for weights here (one without is
-        left out) and built at the first step auto drafts with it (``_trained``): until
-        then auto reads only its parameters, and a request auto never drafts with it for --
-        most sampled ones -- neither loads its state nor has it observe every step. EAGLE
-        then reads the features of the positions it did not see in one pass."""
+        (``names``: only these). A trained one is checked for weights and built at the
+        first step auto would draft with it (``_trained``; one without weights is no longer
+        a candidate from then on): until then auto reads only its parameters, and a request
+        auto never drafts with it for -- most sampled ones -- neither looks for its files,
+        loads its state nor has it observe every step. EAGLE then reads the features of
+        the positions it did not see in one pass."""
         for name in self.names if names is None else names:
             if name in self.states:  # built, or found untrained
                 continue
             sub_env = DrafterEnv(self.env.model_name, self.env.model,
                                  self.env.shared.setdefault(name, {}), self.env.checkpoint_dir)
             self.states[name] = {}
-            try:
-                method, sub_params = _parsed(name)
-                if name in TRAINED:
-                    _CANDIDATES.check(method, sub_params, sub_env)  # trained weights present
-                    self.trained_params[name] = (method, sub_params, sub_env)
-                    continue
+            method, sub_params = _parsed(name)
+            if name in TRAINED:  # checked for weights at its first draft
+                self.trained_params[name] = (method, sub_params, sub_env)
+            else:
                 self.drafters[name] = _CANDIDATES.build(method, sub_params, sub_env)
-            except SpeculationError:
-                if name in TRAINED:  # no trained weights for this model: not a candidate
-                    continue
-                raise
         if names is None:
             self._built = True
         self._refresh()
@@ -221,12 +227,13 @@ class Auto(DrafterBase):
         self.trained = [n for n in TRAINED if n in self.trained_params]
 
     def _trained(self, name: str):
-        """The trained candidate ``name``, built at its first draft; None (and no longer a
-        candidate) if it cannot be built for this model."""
+        """The trained candidate ``name``, checked for its weights and built at its first
+        draft; None (and no longer a candidate) if it cannot be built for this model."""
         drafter = self.drafters.get(name)
         if drafter is None:
             method, params, env = self.trained_params[name]
             try:
+                _CANDIDATES.check(method, params, env)  # trained weights present
                 drafter = self.drafters[name] = _CANDIDATES.build(method, params, env)
             except SpeculationError:
                 del self.trained_params[name]
@@ -249,19 +256,29 @@ class Auto(DrafterBase):
         return sub
 
     def _estimate(self, key: tuple) -> Acceptance:
-        """This request's estimate for ``key`` (drafter, match length), first copied from
-        the server's. Each step it is not updated it drifts 5% back towards the server's
-        figure (applied when next read), so a text that turns repetitive is noticed."""
+        """This request's estimate for ``key`` (drafter, match length), first the server's
+        belief scaled to ``PRIOR_STRENGTH`` pseudo-counts, its mean kept (as the batching
+        scheduler starts a sequence): informed, and moved by the request's own first steps
+        -- copied whole, hundreds of the server's counts kept a loop's drafts trimmed to
+        the server's mean for tens of steps. Each step it is not updated it drifts 5% back
+        towards the server's mean (applied when next read, its weight kept), so a text that
+        turns repetitive is noticed."""
         est = self.est.get(key)
         g = self.global_est.get(key)
         if est is None:
-            est = self.est[key] = dataclasses.replace(g) if g is not None else self._prior(key)
+            if g is None:
+                est = self.est[key] = self._prior(key)
+            else:
+                w = min(1.0, PRIOR_STRENGTH / (g.accepted + g.rejected))
+                est = self.est[key] = Acceptance(g.accepted * w, g.rejected * w)
             if est.alpha >= COPIES_PAY:
                 self.copies_pay.add(key)
+                self._wake_stale = True
         elif g is not None and est.step < self.step:
             w = 0.95 ** (self.step - est.step)
-            est.accepted = w * est.accepted + (1 - w) * g.accepted
-            est.rejected = w * est.rejected + (1 - w) * g.rejected
+            n, mean = est.accepted + est.rejected, g.accepted / (g.accepted + g.rejected)
+            est.accepted = w * est.accepted + (1 - w) * n * mean
+            est.rejected = w * est.rejected + (1 - w) * n * (1 - mean)
         est.step = self.step
         return est
 
@@ -289,6 +306,7 @@ class Auto(DrafterBase):
             self.copies_pay.add(key)
         else:
             self.copies_pay.discard(key)
+        self._wake_stale = True
         self.global_est.setdefault(key, Acceptance()).observe(depth, accepted, SERVER_DECAY)
 
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
@@ -333,13 +351,48 @@ class Auto(DrafterBase):
                 self._overhead = DRAFT_OVERHEAD_PRIOR * self.cost(1)
         return self._overhead
 
+    def _wake_lengths(self) -> tuple[int, int | None] | None:
+        """(L, S) for ``_copy_now``: the shortest match length of a cheap drafter's key
+        believed at least ``COPIES_PAY``, and of suffix decoding's (None: none is); None
+        when no cheap drafter's is. Read again only after ``copies_pay`` changed."""
+        here = stored = None
+        for name, m, _ in self.copies_pay:
+            if name in CHEAP:
+                here = m if here is None else min(here, m)
+                if name == "suffix":
+                    stored = m if stored is None else min(stored, m)
+        return None if here is None else (here, stored)
+
+    def _copy_now(self, ctx: DraftContext) -> bool:
+        """Whether a match whose acceptance is believed at least ``COPIES_PAY`` is there
+        at this step: the context's last L tokens occurred before (``_wake``) -- in the
+        request (a search of its tokens, a few microseconds: ``RequestIndex``), or, for
+        suffix decoding's keys, in its store of responses (a dict lookup first: the full
+        match only where the store has the tail's last n-gram). So a rest ends at a copy's
+        first step."""
+        here, stored = self._wake
+        tokens = ctx.tokens
+        if len(tokens) <= here:
+            return False
+        if request_index(ctx).first_end(tokens[-here:], True) is not None:
+            return True
+        if stored is None or len(tokens) <= stored:
+            return False
+        g, tail = self.drafters["suffix"].global_index, tokens[-stored:]
+        return (g.first_end(tail[-g.K:]) is not None
+                and g.match(tail, stored)[1] == stored)
+
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         if self._timing is not None:
             self._learn_overhead(ctx)
         if self.rest:  # the last asked step had nothing that could pay: not asked
-            self.rest -= 1  # (``observe`` left ``_asked``, ``proposals``, ``last`` empty)
-            return NOT_LOOKED
+            if self._wake_stale:
+                self._wake, self._wake_stale = self._wake_lengths(), False
+            if self._wake is None or not self._copy_now(ctx):  # unless a copy that pays starts
+                self.rest -= 1  # (``observe`` left ``_asked``, ``proposals``, ``last`` empty)
+                return NOT_LOOKED
+            self.rest = 0
         if not self._built:
             self.candidates()
         self._asked = True
@@ -352,6 +405,8 @@ class Auto(DrafterBase):
             self.seeded = self._first = True  # (and it indexed the prompt: not timed)
             self.copies_pay.update(k for k, g in self.global_est.items()
                                    if k[2] == reg and g.alpha >= COPIES_PAY)
+            self._wake_stale = True
+            self.pause = self.server_pause.get(reg, 0)  # rests go on from the server's
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
         winner, self.winner = self.winner, None
@@ -396,8 +451,9 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            if reg in REST_REGIMES and not self.copies_pay:
-                self.rest = self.pause = min(2 * self.pause or 1, REST_MAX)
+            if reg in REST_REGIMES and not any(k[0] in TRAINED for k in self.copies_pay):
+                self.rest = self.pause = self.server_pause[reg] = min(2 * self.pause or 1,
+                                                                      REST_MAX)
             return _NONE
         if isinstance(best_draft, Draft):  # a trained drafter's, sent whole
             draft = dataclasses.replace(best_draft, method=best_key[0])
@@ -406,7 +462,6 @@ class Auto(DrafterBase):
             draft = Draft.of(tokens[:k], None if parents is None else parents[:k], match_len,
                              method=best_key[0])
         self.last = (best_key, max(draft.depths()), len(draft))
-        self.pause = 0
         return draft
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
@@ -424,6 +479,11 @@ class Auto(DrafterBase):
         if self.last is not None:
             key, depth, rows = self.last
             self._observe(key, depth, len(accepted))
+            # a draft that paid for its step starts the rests over, the server's too
+            seconds = 0.0 if key[0] in CHEAP else self.draft_seconds.get(key[0], 0.0)
+            if (self.cost is not None and (1 + len(accepted)) * self.cost(1)
+                    > self.cost(1 + rows) + seconds + self._draft_overhead()):
+                self.pause = self.server_pause[self.reg] = 0
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
                 self.winner = key[0]
         # the cheap chains not sent are judged against the tokens the pass did emit, so a

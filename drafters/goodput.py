@@ -42,6 +42,9 @@ import numpy as np
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # Beta(1, 1): uniform, mean 0.5
 DECAY = 0.85  # per observation, for one sequence's counts
 SERVER_DECAY = 0.98  # per observation, for what a server keeps across requests
+# pseudo-counts of the server's belief a new request (``auto``) or sequence (the batching
+# scheduler) starts from, its mean kept: informed, and soon moved by its own steps
+PRIOR_STRENGTH = 4.0
 MAX_ALPHA = 0.97  # the most any belief believes
 
 

@@ -1,11 +1,16 @@
-"""The n-gram index of token sequences that the match-based drafters share: suffix decoding
-reads it as a depth-limited suffix tree, prompt lookup as where each n-gram ends, and
-``auto`` builds it once a step for both (``request_index``)."""
+"""The n-gram indexes of token sequences that the match-based drafters share: suffix
+decoding reads them as depth-limited suffix trees, prompt lookup as where each n-gram ends.
+Two kinds: ``SuffixIndex``, a dict of every n-gram's end positions (suffix decoding's store
+of previous responses, read by many requests), and ``RequestIndex``, a request's own tokens
+searched as bytes (``request_index``: one per request, shared by the drafters reading it)."""
 
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import deque
+
+_WORD = next(c for c in "IL" if array(c).itemsize == 4)  # an unsigned 4-byte token id
 
 from nodraft.drafters.base import DraftContext
 
@@ -131,18 +136,29 @@ class SuffixIndex:
             del self.tokens[:cut]
             self.base += cut
 
+    def lookup(self, gram: list[int]) -> list[int]:
+        """The end positions of ``gram``'s most recent ``max_occurrences`` occurrences,
+        ascending (none: empty)."""
+        ends = self.ends.get(tuple(gram))
+        if not ends:
+            return []
+        return ends[-self.max_occurrences:] if len(ends) > self.max_occurrences else ends
+
+    def first_end(self, gram: list[int], recent: bool = False) -> int | None:
+        """Where ``gram``'s first (``recent``: last) occurrence ends; None if it has none."""
+        ends = self.ends.get(tuple(gram))
+        return (ends[-1] if recent else ends[0]) if ends else None
+
     def match(self, query: list[int], max_len: int) -> tuple[list[int], int]:
         """(where the continuations of the longest suffix of ``query`` (<= max_len) with
         one start, its length)."""
         n, toks, base = len(query), self.tokens, self.base
         for m in range(min(self.K, max_len, n), 0, -1):
-            ends = self.ends.get(tuple(query[n - m:]))
+            ends = self.lookup(query[n - m:])
             if ends:
                 break
         else:
             return [], 0
-        if len(ends) > self.max_occurrences:
-            ends = ends[-self.max_occurrences:]
         if m < self.K:
             return [e + 1 for e in ends], m
         # extend each occurrence of the K-gram backwards, up to max_len
@@ -204,14 +220,82 @@ class SuffixIndex:
                 k + score, m)
 
 
-def request_index(ctx: DraftContext, k: int | None = None) -> SuffixIndex:
-    """The request's own n-gram index, brought up to date: one per request, kept on the
-    context (``ctx.ngrams``) so that every match-based drafter reading it -- suffix
-    decoding, prompt lookup, both under ``auto`` -- pays its upkeep once. ``k``: the
-    longest n-gram the caller looks up (an index with shorter ones is rebuilt); suffix
-    decoding works with any."""
+class RequestIndex(SuffixIndex):
+    """A request's own growing tokens, read as ``SuffixIndex`` reads them (the same
+    matches, drafts and ``lookup``), found by searching rather than kept in a dict: the
+    tokens as 4-byte words in a ``bytearray``, an n-gram's occurrences found by
+    ``bytearray.find``/``rfind`` (C's search over a few kilobytes, aligned to whole
+    tokens). Extending costs one copy of the new tokens' bytes, where the dict took ``K``
+    insertions a token: a prompt of a few hundred tokens indexed at a request's first step
+    cost ``auto`` and the match-based drafters about a plain step's time, and ``auto``'s
+    every ask after it had rested paid for the tokens of the rest (docs/LOG.md,
+    2026-12-05). Any ``K`` costs the same, so one index serves every caller."""
+
+    def __init__(self, max_occurrences: int = SuffixIndex.MAX_OCCURRENCES,
+                 k: int = SuffixIndex.K):
+        super().__init__(max_occurrences, k)
+        # tokens[:indexed + 1] (every n-gram ending at or before ``indexed``), 4 bytes each
+        self.words = bytearray()
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        last = len(tokens) - 2  # the current token ends no n-gram: it has no continuation
+        if last > self.indexed:
+            self.words += array(_WORD, tokens[self.indexed + 1:last + 1]).tobytes()
+            self.indexed = last
+
+    def _pattern(self, gram: list[int]) -> bytes | None:
+        try:
+            return array(_WORD, gram).tobytes()
+        except (OverflowError, TypeError):  # not a token id: occurs nowhere
+            return None
+
+    def lookup(self, gram: list[int]) -> list[int]:
+        pat = self._pattern(gram)
+        if pat is None:
+            return []
+        words, width, ends = self.words, len(pat), []
+        hi = len(words)
+        while len(ends) < self.max_occurrences:
+            i = words.rfind(pat, 0, hi)
+            if i < 0:
+                break
+            if not i & 3:  # at a token's start (else the bytes straddle two tokens)
+                ends.append((i + width) // 4 - 1)
+            hi = i + width - 1  # the next one starts before i (occurrences may overlap)
+        ends.reverse()
+        return ends
+
+    def first_end(self, gram: list[int], recent: bool = False) -> int | None:
+        pat = self._pattern(gram)
+        if pat is None:
+            return None
+        words, width = self.words, len(pat)
+        if recent:
+            hi = len(words)
+            while (i := words.rfind(pat, 0, hi)) >= 0:
+                if not i & 3:
+                    return (i + width) // 4 - 1
+                hi = i + width - 1
+            return None
+        lo = 0
+        while (i := words.find(pat, lo)) >= 0:
+            if not i & 3:
+                return (i + width) // 4 - 1
+            lo = i + 1
+        return None
+
+
+def request_index(ctx: DraftContext, k: int | None = None) -> RequestIndex:
+    """The request's own index, brought up to date: one per request, kept on the context
+    (``ctx.ngrams``) so that every match-based drafter reading it -- suffix decoding,
+    prompt lookup, both under ``auto`` -- shares it. ``k``: the longest n-gram the caller
+    looks up directly (suffix decoding extends longer matches from ``K``-grams); any costs
+    the same, so the index keeps the largest asked for."""
     index = ctx.ngrams
-    if index is None or (k is not None and index.K < k):
-        index = ctx.ngrams = SuffixIndex(k=k or SuffixIndex.K)
+    if index is None:
+        index = ctx.ngrams = RequestIndex(k=k or RequestIndex.K)
+    elif k is not None and index.K < k:
+        index.K = k
     index.extend(ctx.tokens)
     return index

@@ -8,8 +8,8 @@ token is weak). Worked example, with ngram_max = 3 and tokens ``[a b c d a b]`` 
 token ``b``, index 5): the 3-gram ``[d a b]`` never occurred before; the 2-gram ``[a b]``
 ends at index 1, so the draft is ``tokens[2:2 + 4] = [c d a b]``.
 
-Matches are found in O(1) from the request's index of every n-gram's end positions,
-updated as tokens arrive (``request_index``, shared with suffix decoding). Defaults
+Matches are searched for in the request's tokens, kept as bytes (``request_index``, shared
+with suffix decoding): one C search per n-gram length tried. Defaults
 chosen by measurement (``benchmarks/prompt_lookup.py``, results in docs/BENCHMARKS.md):
 the **first** match (``match="first"``) and **16** tokens. On micro's repeating prompt
 the first occurrence is the passage being copied, where the most recent one is often a
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
-from nodraft.drafters.ngrams import request_index
+from nodraft.drafters.ngrams import SuffixIndex, request_index
 
 
 class PromptLookup(DrafterBase):
@@ -50,14 +50,15 @@ class PromptLookup(DrafterBase):
     def __init__(self, params: Params, env: DrafterEnv | None = None):
         self.params = params
 
-    def find(self, tokens: list[int], index: dict[tuple, list[int]], budget: int
+    def find(self, tokens: list[int], index: SuffixIndex, budget: int
              ) -> tuple[list[int], int]:
-        """(the draft, the length of the n-gram it matched; 0 without a match)."""
+        """(the draft, the length of the n-gram it matched; 0 without a match), from
+        ``index`` over ``tokens``."""
         p = self.params
+        recent = p.match == "recent"
         for n in range(min(p.ngram_max, len(tokens)), p.ngram_min - 1, -1):
-            ends = index.get(tuple(tokens[-n:]))
-            if ends:
-                end = ends[-1] if p.match == "recent" else ends[0]
+            end = index.first_end(tokens[-n:], recent)
+            if end is not None:
                 # a full-length match proposes all it may; a shorter one, weaker evidence,
                 # at most 2**n tokens
                 k = min(p.num_speculative_tokens, budget,
@@ -68,7 +69,7 @@ class PromptLookup(DrafterBase):
     def proposal(self, ctx: DraftContext, budget: int) -> tuple[list[int], None, int]:
         """The draft as lists: (tokens, parents -- None: a chain, the match length).
         ``auto`` reads this, and builds a ``Draft`` only of the proposal it sends."""
-        draft, n = self.find(ctx.tokens, request_index(ctx, self.params.ngram_max).ends, budget)
+        draft, n = self.find(ctx.tokens, request_index(ctx, self.params.ngram_max), budget)
         return draft, None, n
 
     def propose(self, ctx: DraftContext, budget: int) -> Draft:

@@ -35,12 +35,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from nodraft.drafters.goodput import (SERVER_DECAY, Acceptance, PassCoefficients, PassFit,
-                                      marginal_length, regime)
+from nodraft.drafters.goodput import (PRIOR_STRENGTH, SERVER_DECAY, Acceptance,
+                                      PassCoefficients, PassFit, marginal_length, regime)
 
 PROBE_EVERY = 16  # steps without a draft before a one-token probe, at the least
 PROBE_SHARE = 0.01  # what probing may cost a sequence, in the batch's tokens per step
-PRIOR_STRENGTH = 4.0  # pseudo-counts of the pooled belief a new sequence starts from
 # the most evidence a greedy sequence's belief holds (accepted tokens + rejections): greedy
 # text enters and leaves loops, and a run of fully accepted long drafts is otherwise worth
 # so many accepted tokens that, once the loop ends, it takes ~10 rejected steps to stop

@@ -91,3 +91,32 @@ def test_trained_drafters_read_their_weights_from_the_checkpoints_given(tmp_path
         bench.main(["--models", "micro", "--checkpoints", str(tmp_path), "--methods", "medusa",
                     "--categories", "code", "--regimes", "greedy", "--prompts", "1",
                     "--tokens", "4", "--repeats", "1", "--eager"])
+
+
+def test_a_warm_server_run_starts_from_what_the_other_categories_taught(tmp_path, monkeypatch):
+    """``--server warm``: every run starts from the state a server has after the other
+    categories' prompts in the same regime -- ``auto``'s beliefs and rests, never suffix
+    decoding's store of responses; the default starts each run from a fresh server."""
+    seen, measure = [], bench.measure
+
+    def spy(model, name, prompt, regime, method, params, *args):
+        seen.append((prompt["name"], regime, method, args[-1]))
+        return measure(model, name, prompt, regime, method, params, *args)
+
+    monkeypatch.setattr(bench, "measure", spy)
+    out = tmp_path / "bench.json"
+    common = ["--models", "micro", "--categories", "code,rag", "--regimes", "t1.0",
+              "--methods", "auto", "--prompts", "1", "--tokens", "24", "--repeats", "1",
+              "--eager", "--json-out", str(out)]
+    bench.main(common + ["--server", "warm"])
+    assert json.loads(out.read_text())["server"] == "warm" and len(seen) == 2
+    for _, regime, method, shared in seen:
+        state = shared()
+        assert state and all(k.startswith("auto_") for k in state)  # no store of responses
+        assert {key[2] for key in state.get("auto_alpha", {})} <= {"t>0.85"}
+        assert state is not shared()  # each run its own copy
+    assert seen[0][3] is not seen[1][3]  # each category taught by the others
+    seen.clear()
+    bench.main(common)
+    assert [s[3] for s in seen] == [None, None]
+    assert json.loads(out.read_text())["server"] == "fresh"

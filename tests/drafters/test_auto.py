@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from nodraft.drafters.base import NOT_LOOKED
 from nodraft.drafters.auto import POOLED_MIN, Auto
 from nodraft.drafters.goodput import MAX_ALPHA, Acceptance, best_length
 from nodraft.drafters.registry import Registry, SpeculationError
@@ -80,19 +81,21 @@ def test_auto_skips_trained_drafters_without_weights_and_rejects_unknown_candida
 
 def test_auto_keeps_up_only_the_candidates_with_per_step_state():
     """EAGLE queues the target's features every step once built; prompt lookup's and
-    suffix decoding's indexes catch up when next asked. Trained candidates are built at
-    their first draft: until then no observe of theirs runs. A trained candidate is one a
-    request could ask for with its defaults: the tiny model's Medusa record measured 5
-    ranks, fewer than Medusa's default top_k (a 400 for a ``medusa`` request), so it is
-    left out."""
+    suffix decoding's indexes catch up when next asked. Trained candidates are checked
+    and built at their first draft: until then no observe of theirs runs. A trained
+    candidate is one a request could ask for with its defaults: the tiny model's Medusa
+    record measured 5 ranks, fewer than Medusa's default top_k (a 400 for a ``medusa``
+    request), so at its first draft it is left out."""
     reg = Registry()
     _, p = reg.parse({"method": "auto", "candidates": "prompt_lookup,suffix,eagle,medusa"})
     auto = Auto(p, drafter_env(MODEL))
     with pytest.raises(SpeculationError, match="top_k"):
         reg.check(*reg.parse("medusa"), drafter_env(MODEL))
     assert set(auto.candidates()) == {"prompt_lookup", "suffix"}
-    assert auto.trained == ["eagle"] and auto.observers == []
+    assert auto.trained == ["eagle", "medusa"] and auto.observers == []
     assert auto._trained("eagle") is not None
+    assert auto._trained("medusa") is None
+    assert auto.trained == ["eagle"]
     assert set(auto.drafters) == {"prompt_lookup", "suffix", "eagle"}
     assert auto.observers == ["eagle"]
 
@@ -201,11 +204,10 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
     assert [n - 19 for n in asked] == want
 
 
-def test_a_draft_sent_ends_the_rest_and_a_copy_worth_meeting_prevents_it():
-    from nodraft.drafters.auto import COPIES_PAY
-
+def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays():
+    shared: dict = {}
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
-    auto = Auto(p, drafter_env(MODEL))
+    auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its 3-gram [3 7 2] matches
     ctx.temperature = 1.0
     key = ("prompt_lookup", 3, "t>0.85")
@@ -214,21 +216,66 @@ def test_a_draft_sent_ends_the_rest_and_a_copy_worth_meeting_prevents_it():
     assert not len(auto.propose(ctx, 8)) and auto.rest == 1
     auto.rest = 0
     assert not len(auto.propose(ctx, 8)) and auto.rest == 2  # the rests grow
+    assert shared["auto_pause"] == {"t>0.85": 2}
+    # the server's next request goes on from there
+    later = Auto(p, drafter_env(MODEL, shared))
+    later.est[key] = Acceptance(0.05, 40.0)
+    assert not len(later.propose(ctx, 8)) and later.rest == 4
     auto.rest = 0
     auto.est[key] = Acceptance(40.0, 0.5)  # mostly accepted
-    assert len(auto.propose(ctx, 8)) and auto.pause == 0  # a draft sent: rests start over
-    # another match length is believed to copy well: no rest, though nothing pays now
-    long_key = ("prompt_lookup", 8, "t>0.85")
-    auto.est[long_key] = Acceptance(30.0, 1.0)
-    auto._observe(long_key, 8, 8)
-    assert auto.est[long_key].alpha >= COPIES_PAY and long_key in auto.copies_pay
-    auto.est[key] = Acceptance(0.05, 40.0)
-    assert not len(auto.propose(ctx, 8)) and auto.rest == 0
-    # its belief falls below: the rests are back
-    for _ in range(12):
-        auto._observe(long_key, 8, 0)
-    assert long_key not in auto.copies_pay
+    assert len(auto.propose(ctx, 8))
+    auto.observe(ctx, [])  # sent and rejected: the rests are as they were
+    assert auto.pause == 2
+    draft = auto.propose(ctx, 8)
+    auto.observe(ctx, draft.tokens.tolist()[:2])  # sent and partly accepted: they restart
+    assert auto.pause == 0 and shared["auto_pause"] == {"t>0.85": 0}
+
+
+def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
+    from nodraft.drafters.auto import COPIES_PAY
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])  # nothing matches its last tokens
+    ctx.temperature = 1.0
     assert not len(auto.propose(ctx, 8)) and auto.rest == 1
+    # 2-token matches are believed to copy well (a copy is met at its first step) ...
+    copy = ("prompt_lookup", 2, "t>0.85")
+    auto.est[copy] = Acceptance(30.0, 1.0)
+    auto._observe(copy, 2, 2)
+    assert auto.est[copy].alpha >= COPIES_PAY and copy in auto.copies_pay
+    # ... but the rests go on while no 2 tokens at the context's end occurred before
+    auto.rest = 8
+    assert auto.propose(ctx, 8) is NOT_LOOKED and auto.rest == 7
+    ctx.tokens += [9, 11]  # [9 11] occurred before: the copy's first step is asked at
+    draft = auto.propose(ctx, 8)
+    assert draft is not NOT_LOOKED and auto.rest == 0
+    assert draft.method == "prompt_lookup" and draft.tokens.tolist()[:2] == [3, 7]
+    # its belief falls below: it no longer ends rests
+    for _ in range(12):
+        auto._observe(copy, 2, 0)
+    assert copy not in auto.copies_pay
+
+
+def test_a_rest_ends_where_the_servers_stored_responses_hold_a_copy():
+    """Suffix decoding's keys also wake a rest where the context's tail is in its store of
+    previous responses (and only theirs: prompt lookup reads the request alone)."""
+    shared: dict = {}
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx([5, 9, 11, 3, 7, 2, 40])
+    ctx.temperature = 1.0
+    auto.propose(ctx, 8)
+    auto.drafters["suffix"].global_index.add([60, 61, 62, 63, 64])
+    for name, tail in (("prompt_lookup", [60, 61]), ("suffix", [62, 63])):
+        key = (name, 2, "t>0.85")
+        auto.est[key] = Acceptance(30.0, 1.0)
+        auto._observe(key, 2, 2)
+        auto.rest = 8
+        ctx.tokens += tail  # in the store, not earlier in the request
+        woken = auto.propose(ctx, 8) is not NOT_LOOKED
+        assert woken == (name == "suffix")
+        auto.copies_pay.clear()
 
 
 def test_sampled_drafts_that_pay_are_sent():
@@ -383,21 +430,23 @@ def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
 
 
 
-def test_a_request_on_a_server_whose_copies_pay_does_not_rest():
+def test_a_request_on_a_server_whose_copies_pay_meets_them_from_its_start():
     """Where the server's belief in some match length is at least ``COPIES_PAY`` (in this
-    regime), a new request meets a copy's first step at once: it does not rest."""
+    regime), a new request's rests end at any step where a match that long is there."""
     shared: dict = {}
     env = drafter_env(MODEL, shared)
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
-    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its last 8 tokens occurred before
     ctx.temperature = 1.0
     key = ("prompt_lookup", 3, "t>0.85")
-    for server, rests in ((Acceptance(30.0, 1.0), 0), (Acceptance(3.0, 3.0), 1)):
+    for server, woken in ((Acceptance(30.0, 1.0), True), (Acceptance(3.0, 3.0), False)):
         shared["auto_alpha"] = {("prompt_lookup", 8, "t>0.85"): server}
+        shared.pop("auto_pause", None)
         auto = Auto(p, env)
         auto.candidates()
         auto.est[key] = Acceptance(0.05, 40.0)  # this request: its 3-gram matches do not pay
-        assert not len(auto.propose(ctx, 8)) and auto.rest == rests
+        assert not len(auto.propose(ctx, 8)) and auto.rest == 1
+        assert (auto.propose(ctx, 8) is not NOT_LOOKED) == woken
 
 
 def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
@@ -463,3 +512,28 @@ def test_a_lone_step_is_timed_for_the_drafter_and_a_packed_one_is_not():
     logits, hidden = MODEL.verify_pass(torch.tensor(segment.ids), cache, 0, cache.lengths[0])
     seq.finish_step(draft, logits, hidden)
     assert seq.ctx.step_seconds is None
+
+
+def test_a_request_starts_from_the_servers_belief_at_a_few_pseudo_counts():
+    """The server's belief, however many counts it holds, starts a request at
+    ``PRIOR_STRENGTH`` pseudo-counts with its mean (so the request's own steps move it
+    soon), and a key left alone drifts towards the server's mean at its own weight."""
+    from nodraft.drafters.goodput import PRIOR_STRENGTH
+
+    shared: dict = {}
+    key = ("prompt_lookup", 3, "greedy")
+    shared["auto_alpha"] = {key: Acceptance(172.0, 28.0)}  # 0.86 over 200 counts
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    est = auto._estimate(key)
+    assert est.accepted + est.rejected == pytest.approx(PRIOR_STRENGTH)
+    assert est.alpha == pytest.approx(0.86)
+    for _ in range(3):  # a loop: drafts of 16 accepted whole
+        auto._observe(key, 16, 16)
+        auto.step += 1
+    assert auto.est[key].alpha > 0.95
+    weight = auto.est[key].accepted + auto.est[key].rejected
+    auto.step += 20  # not updated for 20 steps: back towards 0.86, its weight kept
+    drifted = auto._estimate(key)
+    assert drifted.accepted + drifted.rejected == pytest.approx(weight)
+    assert 0.86 < drifted.alpha < 0.95

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from nodraft.drafters.base import DraftContext
 from nodraft.drafters.registry import DrafterEnv
-from nodraft.drafters.ngrams import SuffixIndex, grow_tree
+from nodraft.drafters.ngrams import RequestIndex, SuffixIndex, grow_tree
 from nodraft.drafters.suffix import SuffixDecoding
 from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
@@ -67,17 +67,41 @@ def limiter(factor):
 @given(sequences, depths, probs, factors, st.integers(1, 60), st.sampled_from([1, 3, 4]))
 def test_a_requests_index_drafts_what_the_trie_drafts(tokens, max_depth, min_prob, factor, grow_by,
                                                       k):
-    # any longest directly-indexed n-gram k: prompt lookup sets it, suffix reads any
-    index = SuffixIndex(max_occurrences=10**9, k=k)  # the trie counts all occurrences
-    grown = tokens[:max(1, len(tokens) - grow_by)]
-    index.extend(grown)  # the request's list grows, as a request's tokens arrive
-    grown += tokens[len(grown):]
-    index.extend(grown)
-    starts, m = index.match(tokens, max_depth // 2)
-    assert m == brute_match(tokens, max_depth // 2)
-    limit = limiter(factor)
-    assert index.draft(tokens, max_depth // 2, limit, min_prob, max_depth) == Trie(max_depth, [tokens]).draft(
-        tokens, max_depth // 2, limit, min_prob)
+    # any longest directly-indexed n-gram k: prompt lookup sets it, suffix reads any; the
+    # dict index and the searched one (a request's own) alike
+    want = Trie(max_depth, [tokens]).draft(tokens, max_depth // 2, limiter(factor), min_prob)
+    for kind in (SuffixIndex, RequestIndex):
+        index = kind(max_occurrences=10**9, k=k)  # the trie counts all occurrences
+        grown = tokens[:max(1, len(tokens) - grow_by)]
+        index.extend(grown)  # the request's list grows, as a request's tokens arrive
+        grown += tokens[len(grown):]
+        index.extend(grown)
+        starts, m = index.match(tokens, max_depth // 2)
+        assert m == brute_match(tokens, max_depth // 2)
+        assert index.draft(tokens, max_depth // 2, limiter(factor), min_prob, max_depth) == want
+
+
+# ids whose 4-byte words overlap: 256's bytes then 1's contain 1's at an odd offset
+WORDY = [0, 1, 256, 65536, 1 << 24, (1 << 32) - 1]
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(WORDY), min_size=2, max_size=80), st.integers(1, 5),
+       st.sampled_from([1, 2, 3, 10**9]))
+def test_the_searched_index_finds_every_whole_token_occurrence_as_the_dict_does(tokens, n,
+                                                                               cap):
+    searched, kept = RequestIndex(max_occurrences=cap), SuffixIndex(max_occurrences=cap, k=5)
+    for index in (searched, kept):
+        index.extend(tokens[:len(tokens) // 2])
+        index.extend(tokens)
+    for start in range(len(tokens) - n + 1):
+        gram = tokens[start:start + n]
+        ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == gram]
+        assert searched.lookup(gram) == kept.lookup(gram) == ends[-cap:]
+        for recent in (False, True):
+            want = (ends[-1] if recent else ends[0]) if ends else None
+            assert searched.first_end(gram, recent) == kept.first_end(gram, recent) == want
+    assert searched.lookup([1 << 40]) == [] and searched.first_end([-1]) is None
 
 
 @settings(max_examples=200, deadline=None, derandomize=True)
@@ -102,7 +126,7 @@ def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
 def test_the_draft_follows_the_most_frequent_continuation_as_a_tree():
     # [1 2] was followed by 3 twice and by 4 once: 3 first, 4 as its sibling
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2]
-    index = SuffixIndex()
+    index = RequestIndex()
     index.extend(tokens)
     toks, parents, score, m = index.draft(tokens, 16, lambda m: 4, 0.1, 32)
     # then 3's continuations 9 and 8 (1/3 each; 4's 7 ties and came later)
@@ -114,9 +138,10 @@ def test_a_match_reads_its_most_recent_occurrences_only():
     # [1 2] followed by 3 four times, then by 4 twice
     tokens = [1, 2, 3] * 4 + [1, 2, 4] * 2 + [1, 2]
     for cap, want in ((100, [3]), (2, [4])):
-        index = SuffixIndex(max_occurrences=cap)
-        index.extend(tokens)
-        assert index.draft(tokens, 2, lambda m: 1, 0.1, 32)[0] == want
+        for kind in (SuffixIndex, RequestIndex):
+            index = kind(max_occurrences=cap)
+            index.extend(tokens)
+            assert index.draft(tokens, 2, lambda m: 1, 0.1, 32)[0] == want
 
 
 def test_the_drafter_keeps_the_last_responses_and_drafts_from_them():
