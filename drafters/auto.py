@@ -186,7 +186,7 @@ class Auto(DrafterBase):
         self.copies_pay: set[tuple] = set()  # keys believed at least COPIES_PAY
         self._wake: tuple | None = None  # ``_wake_lengths`` of copies_pay ...
         self._wake_stale = False  # ... unless copies_pay changed since
-        self.seeded = False  # copies_pay has the server's beliefs (the first asked step)
+        self.seeded = False  # the request's first step has run (``_seed``)
         # server-wide: seconds recent steps took beyond their pass, asked without a draft
         # and with a cheap drafter's draft; ``_draft_overhead`` prices drafts by them
         self.overhead: dict[str, deque] = env.shared.setdefault("auto_step_overhead", {})
@@ -352,16 +352,37 @@ class Auto(DrafterBase):
         return self._overhead
 
     def _wake_lengths(self) -> tuple[int, int | None] | None:
-        """(L, S) for ``_copy_now``: the shortest match length of a cheap drafter's key
-        believed at least ``COPIES_PAY``, and of suffix decoding's (None: none is); None
-        when no cheap drafter's is. Read again only after ``copies_pay`` changed."""
+        """(L, S) for ``_copy_now``: the shortest match length of a key of one of this
+        request's cheap drafters believed at least ``COPIES_PAY``, and of suffix
+        decoding's (None: none is); None when no such key is. Read again only after
+        ``copies_pay`` changed."""
         here = stored = None
         for name, m, _ in self.copies_pay:
-            if name in CHEAP:
+            if name in self.cheap:
                 here = m if here is None else min(here, m)
                 if name == "suffix":
                     stored = m if stored is None else min(stored, m)
         return None if here is None else (here, stored)
+
+    def _seed(self, ctx: DraftContext) -> None:
+        """The request's first step: its candidates, its sampling regime (beliefs are kept
+        per regime), the server's copies that pay (so do ours) and the server's rests,
+        which go on from where its requests left them. Where they are at ``REST_MAX`` --
+        nothing has paid in this regime lately -- the request rests from its start, as
+        its first ask would most likely have found (a first ask costs ~0.5 ms: its
+        proposals, and a pass after them that meets colder caches); a copy believed to pay
+        still ends the rest at once."""
+        self.seeded = self._first = True  # the first asked step is not timed
+        if not self._built:
+            self.candidates()
+        reg = self.reg = regime(ctx.temperature)
+        self.copies_pay.update(k for k, g in self.global_est.items()
+                               if k[2] == reg and g.alpha >= COPIES_PAY)
+        self._wake_stale = True
+        self.pause = self.server_pause.get(reg, 0)
+        if (reg in REST_REGIMES and self.pause >= REST_MAX
+                and not any(k[0] in self.trained for k in self.copies_pay)):
+            self.rest = REST_MAX
 
     def _copy_now(self, ctx: DraftContext) -> bool:
         """Whether a match whose acceptance is believed at least ``COPIES_PAY`` is there
@@ -386,6 +407,8 @@ class Auto(DrafterBase):
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
         if self._timing is not None:
             self._learn_overhead(ctx)
+        if not self.seeded:
+            self._seed(ctx)
         if self.rest:  # the last asked step had nothing that could pay: not asked
             if self._wake_stale:
                 self._wake, self._wake_stale = self._wake_lengths(), False
@@ -393,20 +416,12 @@ class Auto(DrafterBase):
                 self.rest -= 1  # (``observe`` left ``_asked``, ``proposals``, ``last`` empty)
                 return NOT_LOOKED
             self.rest = 0
-        if not self._built:
-            self.candidates()
         self._asked = True
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
-        reg = self.reg = regime(ctx.temperature)  # beliefs are kept per sampling regime
-        if not self.seeded:  # the first step asked: where the server's copies pay, so do ours
-            self.seeded = self._first = True  # (and it indexed the prompt: not timed)
-            self.copies_pay.update(k for k, g in self.global_est.items()
-                                   if k[2] == reg and g.alpha >= COPIES_PAY)
-            self._wake_stale = True
-            self.pause = self.server_pause.get(reg, 0)  # rests go on from the server's
+        reg = self.reg
         best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
         winner, self.winner = self.winner, None
@@ -451,7 +466,7 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            if reg in REST_REGIMES and not any(k[0] in TRAINED for k in self.copies_pay):
+            if reg in REST_REGIMES and not any(k[0] in self.trained for k in self.copies_pay):
                 self.rest = self.pause = self.server_pause[reg] = min(2 * self.pause or 1,
                                                                       REST_MAX)
             return _NONE

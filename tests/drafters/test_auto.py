@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nodraft.drafters.base import NOT_LOOKED
-from nodraft.drafters.auto import POOLED_MIN, Auto
+from nodraft.drafters.auto import POOLED_MIN, REST_MAX, Auto
 from nodraft.drafters.goodput import MAX_ALPHA, Acceptance, best_length
 from nodraft.drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
@@ -221,6 +221,11 @@ def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays(
     later = Auto(p, drafter_env(MODEL, shared))
     later.est[key] = Acceptance(0.05, 40.0)
     assert not len(later.propose(ctx, 8)) and later.rest == 4
+    # where they reached the longest, a new request rests from its first step, unasked
+    shared["auto_pause"]["t>0.85"] = REST_MAX
+    rested = Auto(p, drafter_env(MODEL, shared))
+    assert rested.propose(ctx, 8) is NOT_LOOKED and rested.rest == REST_MAX - 1
+    assert rested.drafters and not rested.proposals  # its candidates built, none asked
     auto.rest = 0
     auto.est[key] = Acceptance(40.0, 0.5)  # mostly accepted
     assert len(auto.propose(ctx, 8))
@@ -537,3 +542,18 @@ def test_a_request_starts_from_the_servers_belief_at_a_few_pseudo_counts():
     drifted = auto._estimate(key)
     assert drifted.accepted + drifted.rejected == pytest.approx(weight)
     assert 0.86 < drifted.alpha < 0.95
+
+
+def test_only_this_requests_candidates_beliefs_end_or_prevent_its_rests():
+    """The server's beliefs come from every request's candidates; a request whose
+    candidates leave suffix decoding (or a trained drafter) out rests as if it had none
+    of theirs -- no lookup in a store it never built, no drafter error."""
+    shared: dict = {"auto_alpha": {("suffix", 2, "t>0.85"): Acceptance(30.0, 1.0),
+                                   ("eagle", 0, "t>0.85"): Acceptance(30.0, 1.0)}}
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])
+    ctx.temperature = 1.0
+    assert not len(auto.propose(ctx, 8)) and auto.rest == 1
+    ctx.tokens += [9, 11]  # a 2-token match: suffix decoding's, which this request lacks
+    assert auto.propose(ctx, 8) is NOT_LOOKED
