@@ -140,10 +140,10 @@ def warmed_server(model: Micro, prompt: list[int] | list[dict], n_tokens: int,
     """A function returning server-wide drafter state as a server leaves it after
     ``method`` requests (with ``params``) on ``prompt`` (other prompts than the one
     measured: one prompt's ids, or several ``{"ids", "stop_ids"}``), decoded with
-    ``sampling`` (None: greedy):
-    auto's acceptance estimates per drafter and match length, its drafting times, step
-    overheads and rests, each call a fresh copy. Suffix decoding's global store is left
-    out: responses to this prompt would not be in a fresh server's store either."""
+    ``sampling`` (None: greedy): auto's acceptance estimates per drafter and match length,
+    its drafting times, step overheads and rests, each call a fresh copy. Suffix
+    decoding's global store is left out: responses to this prompt would not be in a fresh
+    server's store either."""
     warm: dict = {}
     items = [{"ids": prompt}] if prompt and isinstance(prompt[0], int) else prompt
     for item in items:

@@ -369,9 +369,8 @@ class Auto(DrafterBase):
         per regime), the server's copies that pay (so do ours) and the server's rests,
         which go on from where its requests left them. Where they are at ``REST_MAX`` --
         nothing has paid in this regime lately -- the request rests from its start, as
-        its first ask would most likely have found (a first ask costs ~0.5 ms: its
-        proposals, and a pass after them that meets colder caches); a copy believed to pay
-        still ends the rest at once."""
+        its first ask would most likely have found; a copy believed to pay still ends the
+        rest at once."""
         self.seeded = self._first = True  # the first asked step is not timed
         if not self._built:
             self.candidates()

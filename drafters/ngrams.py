@@ -10,9 +10,9 @@ import heapq
 from array import array
 from collections import deque
 
-_WORD = next(c for c in "IL" if array(c).itemsize == 4)  # an unsigned 4-byte token id
-
 from nodraft.drafters.base import DraftContext
+
+_WORD = next(c for c in "IL" if array(c).itemsize == 4)  # an unsigned 4-byte token id
 
 
 def grow_tree(root, max_nodes: int, min_prob: float, children
@@ -225,11 +225,12 @@ class RequestIndex(SuffixIndex):
     matches, drafts and ``lookup``), found by searching rather than kept in a dict: the
     tokens as 4-byte words in a ``bytearray``, an n-gram's occurrences found by
     ``bytearray.find``/``rfind`` (C's search over a few kilobytes, aligned to whole
-    tokens). Extending costs one copy of the new tokens' bytes, where the dict took ``K``
-    insertions a token: a prompt of a few hundred tokens indexed at a request's first step
-    cost ``auto`` and the match-based drafters about a plain step's time, and ``auto``'s
-    every ask after it had rested paid for the tokens of the rest (docs/LOG.md,
-    2026-12-05). Any ``K`` costs the same, so one index serves every caller."""
+    tokens; ids below 2**32). Extending costs one copy of the new tokens' bytes, where the
+    dict took ``K`` insertions a token: a prompt of a few hundred tokens indexed at a
+    request's first step cost ``auto`` and the match-based drafters about a plain step's
+    time, and ``auto``'s every ask after it had rested paid for the tokens of the rest
+    (docs/LOG.md, "`auto`'s rests, the server's and ended by a copy"). Any ``K`` costs the
+    same, so one index serves every caller."""
 
     def __init__(self, max_occurrences: int = SuffixIndex.MAX_OCCURRENCES,
                  k: int = SuffixIndex.K):
