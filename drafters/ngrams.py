@@ -7,6 +7,7 @@ searched as bytes (``request_index``: one per request, shared by the drafters re
 from __future__ import annotations
 
 import heapq
+import itertools
 from array import array
 from collections import deque
 
@@ -251,38 +252,33 @@ class RequestIndex(SuffixIndex):
         except (OverflowError, TypeError):  # not a token id: occurs nowhere
             return None
 
-    def lookup(self, gram: list[int]) -> list[int]:
+    def _ends_back(self, gram: list[int]):
+        """The end positions of ``gram``'s whole-token occurrences, most recent first."""
         pat = self._pattern(gram)
         if pat is None:
-            return []
-        words, width, ends = self.words, len(pat), []
+            return
+        words, width = self.words, len(pat)
         hi = len(words)
-        while len(ends) < self.max_occurrences:
-            i = words.rfind(pat, 0, hi)
-            if i < 0:
-                break
+        while (i := words.rfind(pat, 0, hi)) >= 0:
             if not i & 3:  # at a token's start (else the bytes straddle two tokens)
-                ends.append((i + width) // 4 - 1)
+                yield (i + width) // 4 - 1
             hi = i + width - 1  # the next one starts before i (occurrences may overlap)
+
+    def lookup(self, gram: list[int]) -> list[int]:
+        ends = list(itertools.islice(self._ends_back(gram), self.max_occurrences))
         ends.reverse()
         return ends
 
     def first_end(self, gram: list[int], recent: bool = False) -> int | None:
+        if recent:
+            return next(self._ends_back(gram), None)
         pat = self._pattern(gram)
         if pat is None:
             return None
-        words, width = self.words, len(pat)
-        if recent:
-            hi = len(words)
-            while (i := words.rfind(pat, 0, hi)) >= 0:
-                if not i & 3:
-                    return (i + width) // 4 - 1
-                hi = i + width - 1
-            return None
         lo = 0
-        while (i := words.find(pat, lo)) >= 0:
+        while (i := self.words.find(pat, lo)) >= 0:
             if not i & 3:
-                return (i + width) // 4 - 1
+                return (i + len(pat)) // 4 - 1
             lo = i + 1
         return None
 
