@@ -1,7 +1,9 @@
 """The routes: validate, admit, tokenise off the event loop, submit, stream the text back.
 
 Order of work, cheapest first, so that nothing slow runs before a request is known to be
-served: the body is parsed and validated (strict JSON types: ``server.protocol``); the
+served: the body is parsed and validated (strict JSON types: ``server.protocol``; a valid
+body by ``server.app.DirectGeneration``, which calls the route without FastAPI's request
+handling, and any other by FastAPI, whose error the client gets: ``direct_body``); the
 model, ``speculation`` and the other parameters are checked; a prompt text is measured
 against the context; the request is *admitted* (``server.admission``: a 429 with
 ``Retry-After`` at once when its sequences do not fit); only then is its text tokenised
@@ -152,6 +154,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                      chat.stop_token_ids(service.tokenizer), top)
     return await _respond(request, body, run, [prompt], chat_format=True)
 
+
+
+# -- the generation routes without FastAPI's request handling --------------------------------
+# path -> (the body's model, the route): what ``server.app.DirectGeneration`` serves itself
+DIRECT_ROUTES = {"/v1/completions": (CompletionRequest, completions),
+                 "/v1/chat/completions": (ChatCompletionRequest, chat_completions)}
+
+
+def direct_body(model: type, content_type: str | None, body: bytes) -> Any:
+    """The route's body as FastAPI would give it -- ``json.loads`` (its ``Request.json``),
+    then the pydantic model in Python mode, strict -- or None wherever FastAPI would not
+    give one, or might not: a ``Content-Type`` other than ``application/json`` (with or
+    without parameters), a body that is not JSON, one the model rejects. For None the
+    request goes to FastAPI, whose parse and errors are then the only ones a client meets."""
+    if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
+        return None
+    try:
+        return model.model_validate(json.loads(body))
+    except Exception:  # ValueError (JSON, validation), RecursionError, ...: FastAPI says which
+        return None
 
 # -- from a request to sequences -------------------------------------------------------------
 def _card(service, name: str, methods: dict) -> ModelCard:

@@ -28,6 +28,9 @@ last for this one (``Settings.cores``). ``/`` serves the playground page (plain 
   connection is closed; an idle keep-alive connection closes after
   ``--keep-alive-seconds`` (uvicorn's ``timeout_keep_alive``); a request line and
   headers over 16 KiB get a 431 and the connection is closed.
+- A generation request whose body validates is served without FastAPI's request handling
+  (``DirectGeneration``: parsed as FastAPI parses it, the route's own function called);
+  any other goes to FastAPI, whose error it gets.
 - Every error is an OpenAI error body (``server.errors``); generation requests are counted
   in ``nodraft_requests_total{endpoint,method,status}``; a client that goes away before
   its response is complete, while uploading its body included, counts as 499.
@@ -62,6 +65,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -73,7 +77,7 @@ from nodraft.engine.launch import Launched
 from nodraft.micro.checkpoint import available_models, load_config, load_tokenizer
 from nodraft.micro.model import MicroConfig
 from nodraft.server.admission import Admission, Observers
-from nodraft.server.api import router
+from nodraft.server.api import DIRECT_ROUTES, direct_body, router
 from nodraft.server.errors import APIError, error_body, error_response, handle_exception
 from nodraft.server.metrics import Metrics
 from nodraft.server.settings import Settings
@@ -306,6 +310,51 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+
+class DirectGeneration:
+    """The generation routes (``server.api.DIRECT_ROUTES``) served without FastAPI's request
+    handling: the body ``BodyLimit`` read, parsed and validated as FastAPI does it
+    (``server.api.direct_body``), the route's own function called, its exceptions answered
+    by the application's one handler (``server.errors.handle_exception``), its response
+    sent. FastAPI's routing, dependency solving and content-type parsing cost a request
+    about as much time again as the rest of the API's work before the engine sees it
+    (docs/BENCHMARKS.md, "Time to first token on a 4-token prompt"). A request whose body
+    FastAPI would reject, or which this cannot tell apart from one, goes to FastAPI
+    unchanged, so every validation error is still FastAPI's, rendered as before; the
+    routes stay FastAPI's too (the OpenAPI schema, ``/docs``)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = (DIRECT_ROUTES.get(scope["path"]) if scope["type"] == "http"
+                 and scope["method"] == "POST" and not scope.get("root_path") else None)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        message = await receive()  # the whole body: ``BodyLimit`` read it
+        body = message.get("body", b"")
+        model, endpoint = route
+        parsed = direct_body(model, Headers(scope=scope).get("content-type"), body)
+        if parsed is None:
+            handed = False
+
+            async def replay() -> Message:
+                nonlocal handed
+                if not handed:
+                    handed = True
+                    return message
+                return await receive()
+
+            await self.app(scope, replay, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await endpoint(parsed, request)
+        except Exception as e:  # what FastAPI's exception handlers would answer
+            response = await handle_exception(request, e)
+        await response(scope, receive, send)
+
 class RequestCounter:
     """``nodraft_requests_total{endpoint,method,status}`` for the generation endpoints; the
     status is the HTTP one, or 499 when the client went away before the end."""
@@ -356,6 +405,7 @@ def create_app(settings: Settings | None = None, registry: Registry | None = Non
     for exc in (APIError, RequestValidationError, HTTPException, SpeculationError, QueueFull,
                 EngineStopped, Exception):
         app.add_exception_handler(exc, handle_exception)
+    app.add_middleware(DirectGeneration)  # inside BodyLimit: it has the whole body
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        timeout=settings.body_timeout_seconds)
     if settings.api_key is not None:  # checked before the body is read

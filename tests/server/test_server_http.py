@@ -198,6 +198,39 @@ def test_error_messages_name_what_is_wrong(live, http):
     assert "nested too deeply" in r.json()["error"]["message"]
 
 
+
+def test_valid_generation_requests_skip_fastapis_routing_and_the_rest_go_to_it(live, http,
+                                                                              monkeypatch):
+    """``DirectGeneration`` serves a generation request whose body validates -- FastAPI's
+    route for it never runs -- and hands any other (bad JSON, a body the model rejects, no
+    JSON ``Content-Type``) to FastAPI, whose error it is; an error the route itself raises
+    on the direct path is rendered as FastAPI's handlers render it."""
+    import fastapi.routing
+
+    reached: list[str] = []
+    solve = fastapi.routing.solve_dependencies
+
+    async def counted(*, request, **kw):  # every FastAPI route's handler solves its parameters
+        reached.append(request.url.path)
+        return await solve(request=request, **kw)
+    monkeypatch.setattr(fastapi.routing, "solve_dependencies", counted)
+    chat = {"model": "micro", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert http.post("/v1/completions", json=body()).status_code == 200
+    assert http.post("/v1/completions", json=body(stream=True)).status_code == 200
+    r = http.post("/v1/chat/completions", json=chat,
+                  headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    r = http.post("/v1/completions", json=body(model="nope"))  # the route's own 404
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert reached == []
+    assert post_json(http, "/v1/completions", body(max_tokens="4")).status_code == 400
+    r = http.post("/v1/completions", content=json.dumps(body()).encode(),
+                  headers={"content-type": "text/plain"})
+    assert r.json()["error"]["code"] == "invalid_content_type"
+    assert reached == ["/v1/completions", "/v1/completions"]
+    r = post_json(http, "/v1/chat/completions", b"{not json")  # FastAPI's, before its handler
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
 def test_neutral_openai_defaults_accepted(http):
     r = http.post("/v1/completions", json=body(presence_penalty=0, frequency_penalty=0.0,
                                                logprobs=None, echo=False, best_of=1, user="u"))
