@@ -148,14 +148,15 @@ def main(argv: list[str] | None = None) -> None:
     summary = {}
     for c in CASES:
         d = results[c]
-        summary[c] = {"first_ms": ms(d["first"]), "rounds_ms": [round(1e3 * x, 3) for x in d["rounds"]],
+        summary[c] = {"first_ms": ms(d["first"]),
+                      "rounds_ms": [round(1e3 * x, 3) for x in d["rounds"]],
                       "sequence_built_us": us(d["built"]), "first_step_us": us(d["step"])}
         print(f"| {c} | {ms(d['first'])} | {ms(d['rounds'])} ({1e3 * min(d['rounds']):.2f}-"
               f"{1e3 * max(d['rounds']):.2f}) | {us(d['built'])} | {us(d['step'])} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "cases": summary}, f, indent=1)
+            json.dump({"args": vars(args), "cases": summary,
+                       "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, f, indent=1)
     engine.stop()
 
 

@@ -155,7 +155,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await _respond(request, body, run, [prompt], chat_format=True)
 
 
-
 # -- the generation routes without FastAPI's request handling --------------------------------
 # path -> (the body's model, the route): what ``server.app.DirectGeneration`` serves itself
 DIRECT_ROUTES = {"/v1/completions": (CompletionRequest, completions),
@@ -168,12 +167,14 @@ def direct_body(model: type, content_type: str | None, body: bytes) -> Any:
     give one, or might not: a ``Content-Type`` other than ``application/json`` (with or
     without parameters), a body that is not JSON, one the model rejects. For None the
     request goes to FastAPI, whose parse and errors are then the only ones a client meets."""
-    if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
         return None
     try:
         return model.model_validate(json.loads(body))
     except Exception:  # ValueError (JSON, validation), RecursionError, ...: FastAPI says which
         return None
+
 
 # -- from a request to sequences -------------------------------------------------------------
 def _card(service, name: str, methods: dict) -> ModelCard:

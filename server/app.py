@@ -65,8 +65,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import Headers
-from starlette.requests import Request
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -310,18 +310,16 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-
 class DirectGeneration:
-    """The generation routes (``server.api.DIRECT_ROUTES``) served without FastAPI's request
-    handling: the body ``BodyLimit`` read, parsed and validated as FastAPI does it
-    (``server.api.direct_body``), the route's own function called, its exceptions answered
-    by the application's one handler (``server.errors.handle_exception``), its response
-    sent. FastAPI's routing, dependency solving and content-type parsing cost a request
-    about as much time again as the rest of the API's work before the engine sees it
-    (docs/BENCHMARKS.md, "Time to first token on a 4-token prompt"). A request whose body
-    FastAPI would reject, or which this cannot tell apart from one, goes to FastAPI
-    unchanged, so every validation error is still FastAPI's, rendered as before; the
-    routes stay FastAPI's too (the OpenAPI schema, ``/docs``)."""
+    """The generation routes (``server.api.DIRECT_ROUTES``) served without FastAPI's
+    routing, dependency solving and content-type parsing: the body ``BodyLimit`` read,
+    parsed and validated as FastAPI does it (``server.api.direct_body``), the route's own
+    function called, an exception it raises answered by the application's one handler
+    (``server.errors.handle_exception``), its response sent. A request whose body FastAPI
+    would reject, or which this cannot tell apart from one, goes to FastAPI unchanged, so
+    every validation error is still FastAPI's, rendered as before; the routes stay
+    FastAPI's too (the OpenAPI schema, ``/docs``). What it saves: docs/BENCHMARKS.md,
+    "Time to first token on a 4-token prompt"."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -354,6 +352,7 @@ class DirectGeneration:
         except Exception as e:  # what FastAPI's exception handlers would answer
             response = await handle_exception(request, e)
         await response(scope, receive, send)
+
 
 class RequestCounter:
     """``nodraft_requests_total{endpoint,method,status}`` for the generation endpoints; the

@@ -198,7 +198,6 @@ def test_error_messages_name_what_is_wrong(live, http):
     assert "nested too deeply" in r.json()["error"]["message"]
 
 
-
 def test_valid_generation_requests_skip_fastapis_routing_and_the_rest_go_to_it(live, http,
                                                                               monkeypatch):
     """``DirectGeneration`` serves a generation request whose body validates -- FastAPI's
@@ -230,6 +229,7 @@ def test_valid_generation_requests_skip_fastapis_routing_and_the_rest_go_to_it(l
     assert reached == ["/v1/completions", "/v1/completions"]
     r = post_json(http, "/v1/chat/completions", b"{not json")  # FastAPI's, before its handler
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+
 
 def test_neutral_openai_defaults_accepted(http):
     r = http.post("/v1/completions", json=body(presence_penalty=0, frequency_penalty=0.0,
