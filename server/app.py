@@ -316,10 +316,10 @@ class DirectGeneration:
     parsed and validated as FastAPI does it (``server.api.direct_body``), the route's own
     function called, an exception it raises answered by the application's one handler
     (``server.errors.handle_exception``), its response sent. A request whose body FastAPI
-    would reject, or which this cannot tell apart from one, goes to FastAPI unchanged, so
-    every validation error is still FastAPI's, rendered as before; the routes stay
-    FastAPI's too (the OpenAPI schema, ``/docs``). What it saves: docs/BENCHMARKS.md,
-    "Time to first token on a 4-token prompt"."""
+    would reject, or which this cannot tell apart from one (a body not read whole
+    included), goes to FastAPI unchanged, so every validation error is still FastAPI's,
+    rendered as before; the routes stay FastAPI's too (the OpenAPI schema, ``/docs``).
+    What it saves: docs/BENCHMARKS.md, "Time to first token on a 4-token prompt"."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -331,9 +331,10 @@ class DirectGeneration:
             await self.app(scope, receive, send)
             return
         message = await receive()  # the whole body: ``BodyLimit`` read it
-        body = message.get("body", b"")
         model, endpoint = route
-        parsed = direct_body(model, Headers(scope=scope).get("content-type"), body)
+        whole = message["type"] == "http.request" and not message.get("more_body", False)
+        parsed = (direct_body(model, Headers(scope=scope).get("content-type"),
+                              message.get("body", b"")) if whole else None)
         if parsed is None:
             handed = False
 

@@ -231,6 +231,30 @@ def test_valid_generation_requests_skip_fastapis_routing_and_the_rest_go_to_it(l
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
 
 
+def test_a_body_not_read_whole_goes_to_fastapi_as_it_came():
+    """``DirectGeneration`` acts only on a body read whole (``BodyLimit`` reads it so): the
+    first part of one sent in parts is handed on with the rest, even where that part alone
+    would be a valid request."""
+    import asyncio
+
+    from nodraft.server.app import DirectGeneration
+
+    parts = [{"type": "http.request", "body": json.dumps(body()).encode(), "more_body": True},
+             {"type": "http.request", "body": b" ", "more_body": False}]
+    sent, got = list(parts), []
+
+    async def receive():
+        return sent.pop(0)
+
+    async def app(scope, receive, send):
+        got.extend([await receive(), await receive()])
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+             "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(DirectGeneration(app)(scope, receive, None))
+    assert got == parts
+
+
 def test_neutral_openai_defaults_accepted(http):
     r = http.post("/v1/completions", json=body(presence_penalty=0, frequency_penalty=0.0,
                                                logprobs=None, echo=False, best_of=1, user="u"))
