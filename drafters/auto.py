@@ -364,6 +364,12 @@ class Auto(DrafterBase):
                     stored = m if stored is None else min(stored, m)
         return None if here is None else (here, stored)
 
+    def _trained_copies_pay(self) -> bool:
+        """Whether a trained candidate is believed at least ``COPIES_PAY``: auto then
+        does not rest (its drafts cost a draft step, so no cheap search can say when to
+        wake for them)."""
+        return any(k[0] in self.trained for k in self.copies_pay)
+
     def _seed(self, ctx: DraftContext) -> None:
         """The request's first step: its candidates, its sampling regime (beliefs are kept
         per regime), the server's copies that pay (so do ours) and the server's rests,
@@ -379,8 +385,7 @@ class Auto(DrafterBase):
                                if k[2] == reg and g.alpha >= COPIES_PAY)
         self._wake_stale = True
         self.pause = self.server_pause.get(reg, 0)
-        if (reg in REST_REGIMES and self.pause >= REST_MAX
-                and not any(k[0] in self.trained for k in self.copies_pay)):
+        if reg in REST_REGIMES and self.pause >= REST_MAX and not self._trained_copies_pay():
             self.rest = REST_MAX
 
     def _copy_now(self, ctx: DraftContext) -> bool:
@@ -465,7 +470,7 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            if reg in REST_REGIMES and not any(k[0] in self.trained for k in self.copies_pay):
+            if reg in REST_REGIMES and not self._trained_copies_pay():
                 self.rest = self.pause = self.server_pause[reg] = min(2 * self.pause or 1,
                                                                       REST_MAX)
             return _NONE

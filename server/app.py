@@ -298,16 +298,22 @@ class BodyLimit:
         if size > self.max_bytes:
             await too_large(scope, receive, send)
             return
-        body, handed = b"".join(chunks), False
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, replaying(whole, receive), send)
 
-        async def replay() -> Message:
-            nonlocal handed
-            if not handed:
-                handed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: the disconnect, when it comes
 
-        await self.app(scope, replay, send)
+def replaying(first: Message, receive: Receive) -> Receive:
+    """A ``receive`` that hands ``first`` (a message already read) once, then reads on
+    (after a whole body: the disconnect, when it comes)."""
+    handed = False
+
+    async def replay() -> Message:
+        nonlocal handed
+        if not handed:
+            handed = True
+            return first
+        return await receive()
+    return replay
 
 
 class DirectGeneration:
@@ -336,16 +342,7 @@ class DirectGeneration:
         parsed = (direct_body(model, Headers(scope=scope).get("content-type"),
                               message.get("body", b"")) if whole else None)
         if parsed is None:
-            handed = False
-
-            async def replay() -> Message:
-                nonlocal handed
-                if not handed:
-                    handed = True
-                    return message
-                return await receive()
-
-            await self.app(scope, replay, send)
+            await self.app(scope, replaying(message, receive), send)
             return
         request = Request(scope, receive)
         try:
