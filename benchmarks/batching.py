@@ -13,7 +13,10 @@ streamed requests, every request with the loadtest's built-in prompts (fresh and
 repeating, in turn); sampled runs (a temperature above 0 in ``--sampling``) are seeded
 (``nodraft loadtest --seed``, the round's seed): every method and server generates the
 same text for a prompt. Reported per (server, temperature, concurrency, method):
-aggregate generated tokens/s, TTFT and inter-token latency p50/p99, errors; the
+aggregate generated tokens/s, TTFT and inter-token latency p50/p99, errors, the CPU time
+the API process, the engine process and the load generator each spent per generated token
+(from /proc: where both cores are full, the figure that says which process a change made
+cheaper, steadier than tokens/s); the
 throughput at each concurrency over the single stream's, over the first method's, and
 with ``--before``, over the other server's.
 
@@ -83,12 +86,49 @@ def start_server(threads: int, max_running: int, compile: bool = True, env: dict
     raise RuntimeError("the server did not come up")
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """A process's CPU time so far, its threads' together, in nanoseconds' resolution
+    (/proc's schedstat; clock ticks would be 10 ms, a one-stream run's whole figure); None
+    where there is none."""
+    total = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # a thread that ended meanwhile
+    except OSError:
+        return None
+    return total / 1e9
+
+
+def engine_pid(api_pid: int) -> int | None:
+    """The engine process a server's API process started (its multiprocessing child)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != api_pid:
+                continue
+            if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                return int(stat.parent.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
 def one(url: str, concurrency: int, method: str, n: int, max_tokens: int,
-        temperature: float = 0.0, seed: int | None = None) -> dict:
+        temperature: float = 0.0, seed: int | None = None,
+        pids: tuple[int | None, int | None] = (None, None)) -> dict:
+    """One loadtest run; with ``pids`` (the API and engine processes), the CPU each of
+    them and this process (the load generator) spent per generated token."""
     cfg = LoadConfig(url=url, concurrency=concurrency, requests=n, methods=[method],
                      max_tokens=max_tokens, stream=True, timeout=300, temperature=temperature,
                      seed=seed if temperature > 0 else None)
+    before = [cpu_seconds(p) if p else None for p in (*pids, os.getpid())]
     r = asyncio.run(run_loadtest(cfg))
+    after = [cpu_seconds(p) if p else None for p in (*pids, os.getpid())]
+    tokens = r["throughput"]["generated_tokens"] or 1
+    cpu = {f"cpu_us_per_token_{k}": None if a is None or b is None else 1e6 * (b - a) / tokens
+           for k, a, b in zip(("api", "engine", "client"), before, after)}
     lat = r["latency_s"]
 
     def ms(kind: str, q: str) -> float | None:  # None: no such gap (a whole answer in one chunk)
@@ -100,6 +140,7 @@ def one(url: str, concurrency: int, method: str, n: int, max_tokens: int,
         "itl_p50_ms": ms("inter_token", "p50"), "itl_p99_ms": ms("inter_token", "p99"),
         "errors": sum(r["errors"].values()), "requests": r["requests"]["sent"],
         "tokens_per_pass": (r["methods"][method] or {}).get("tokens_per_pass"),
+        **cpu,
     }
 
 
@@ -132,6 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) >= 2:  # the load generator on the last core, the one the API keeps
             os.sched_setaffinity(0, cores[-1:])  # (the servers, started, keep their own)
+        pids = {name: (proc.pid, engine_pid(proc.pid)) for name, (proc, _) in servers.items()}
         for _, url in servers.values():
             for m in methods:  # warm up every code path once
                 for t in temps:
@@ -144,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                         for m in methods:
                             runs.setdefault((name, t, m), []).append(
                                 one(url, c, m, c * args.requests_per_stream, args.max_tokens,
-                                    t, 1000 * r))
+                                    t, 1000 * r, pids[name]))
             for (name, t, m), got in runs.items():
                 row = {"server": name, "temperature": t, "concurrency": c, "method": m}
                 for key in got[0]:
@@ -181,8 +223,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def render(results: dict) -> str:
     lines = ["| server | sampling | streams | method | tokens/s | x one stream | x none | "
-             "x before | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "x before | TTFT p50 / p99 ms | ITL p50 / p99 ms | CPU us a token: API / engine / "
+             "load generator | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         t = "greedy" if r["temperature"] == 0 else f"t={r['temperature']}"
         before = f"{r['x_before']:.2f}" if "x_before" in r else ""
@@ -190,8 +233,13 @@ def render(results: dict) -> str:
                      f"{r['tokens_per_s']:.0f} | {r['x_single_stream']:.2f} | "
                      f"{r.get('x_none', float('nan')):.2f} | {before} | "
                      f"{_f(r['ttft_p50_ms'], 1)} / {_f(r['ttft_p99_ms'], 1)} | "
-                     f"{_f(r['itl_p50_ms'], 2)} / {_f(r['itl_p99_ms'], 2)} | {r['errors']} |")
+                     f"{_f(r['itl_p50_ms'], 2)} / {_f(r['itl_p99_ms'], 2)} | "
+                     f"{' / '.join(_f(r.get('cpu_us_per_token_' + k), 0) for k in CPU_OF)} | "
+                     f"{r['errors']} |")
     return "\n".join(lines)
+
+
+CPU_OF = ("api", "engine", "client")
 
 
 def _f(x: float | None, digits: int) -> str:

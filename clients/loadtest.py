@@ -11,7 +11,9 @@ These flags are stable: the compose ``loadgen`` service and the batching work ca
 - ``--url``: the server's root (``http://127.0.0.1:8000``; a trailing ``/v1`` is fine).
 - ``--concurrency N`` requests in flight at once, until ``--requests M`` have been sent or
   ``--duration S`` seconds have passed, whichever comes first; requests in flight then run
-  to their end (each bounded by ``--timeout``), and the test stops by itself.
+  to their end (each bounded by ``--timeout``), and the test stops by itself. Each of the
+  N is a user of its own: one client, one kept-alive connection, its next request sent
+  when its last response has ended.
 - ``--methods``: the ``speculation`` of each request, taken in turn from this list. An item
   is a method name, or a name with parameters: ``early_exit:exit_layer=2:num_speculative_tokens=4``
   (values read as JSON when they parse, else as strings).
@@ -196,12 +198,14 @@ async def _streamed(client: httpx.AsyncClient, path: str, body: dict, out: Outco
             return
         last = None
         counted = 0
+        # read to the stream's end, past ``[DONE]``: a response left unread closes its
+        # connection, and every request would open a new one
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
                 continue
             data = line[len("data: "):]
             if data == "[DONE]":
-                break
+                continue
             chunk = json.loads(data)
             if "error" in chunk:
                 out.status = "stream_error"
@@ -263,27 +267,34 @@ async def run_loadtest(config: LoadConfig, progress: TextIO | None = None,
         seed = None if config.seed is None else config.seed + i // m
         return config.methods[i % m], prompts[(i // m) % len(prompts)], seed
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        while (job := next_request()) is not None:
-            outcomes.append(await one_request(client, config, *job))
-
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    limits = httpx.Limits(max_connections=config.concurrency,
-                          max_keepalive_connections=config.concurrency)
+    # each worker a client of its own, its one connection kept alive between its requests:
+    # as many users as ``concurrency``. (One pool shared by all of them handed a freed
+    # connection to several waiting requests at once, and all but one waited again --
+    # httpcore 1.0 -- so requests queued in the client for up to seconds.) Made before the
+    # clock starts, with one TLS context: each client would load the CA bundle (~25 ms)
+    tls = httpx.create_ssl_context()
+    clients = [httpx.AsyncClient(base_url=server_root(config.url), headers=headers,
+                                 limits=httpx.Limits(max_connections=1), verify=tls,
+                                 timeout=config.timeout) for _ in range(config.concurrency)]
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        async with client:
+            while (job := next_request()) is not None:
+                outcomes.append(await one_request(client, config, *job))
+
     start = time.perf_counter()
-    async with httpx.AsyncClient(base_url=server_root(config.url), headers=headers,
-                                 limits=limits, timeout=config.timeout) as client:
-        workers = [asyncio.create_task(worker(client)) for _ in range(config.concurrency)]
-        reporter = (asyncio.create_task(_progress(progress, outcomes, lambda: issued, config,
-                                                  start, interval))
-                    if progress is not None else None)
-        try:
-            await asyncio.gather(*workers)
-        finally:
-            for w in workers:
-                w.cancel()
-            if reporter is not None:
-                reporter.cancel()
+    workers = [asyncio.create_task(worker(client)) for client in clients]
+    reporter = (asyncio.create_task(_progress(progress, outcomes, lambda: issued, config,
+                                              start, interval))
+                if progress is not None else None)
+    try:
+        await asyncio.gather(*workers)
+    finally:
+        for w in workers:
+            w.cancel()
+        if reporter is not None:
+            reporter.cancel()
     elapsed = time.perf_counter() - start
     if progress is not None:
         _progress_line(progress, outcomes, issued, config, elapsed, final=True)

@@ -75,7 +75,7 @@ def freeze_heap() -> None:
     engine thread, and every stream with it -- walks only what serving made since
     (docs/ARCHITECTURE.md, "The engine core is a process of its own"). Objects made later
     are collected as usual. Called once the models are loaded and again once the compiled
-    graphs are."""
+    graphs are; the API process calls it once it has started (``server.app.Service``)."""
     gc.collect()
     gc.freeze()
 

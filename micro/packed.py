@@ -210,12 +210,17 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
 
 def head_rows(model: Micro, h: Tensor) -> Tensor:
     """The final norm and head over a few rows (T, dim) between passes (a prompt's last
-    row, once its prefill is done). Once a compiled graph is built or loaded, the product
-    reads the head's (in, out) copy that every compiled pass reads -- in the caches after a
-    pass, where the eager head's weight is not; before that, ``Micro.head`` (building the
-    copies resolves the compiled passes' product, which may build ``nodraft::mm``: seconds
-    a request must never wait on)."""
+    row, once its prefill is done). Where nodraft's one-call passes serve, by
+    ``nodraft::head`` from the head matrix those passes read (``CompiledPasses.head_rows``:
+    in the caches after a batch's pass, and the same bits as a pass's head); else, once a
+    compiled graph is built or loaded, the head's (in, out) copy that every compiled graph
+    reads; before either, ``Micro.head`` (building the copies resolves the compiled passes'
+    product, which may build ``nodraft::mm``: seconds a request must never wait on)."""
     compiled = model.compiled
+    if compiled is not None:
+        got = compiled.head_rows(h)
+        if got is not None:
+            return got
     wt = None if compiled is None else compiled.built_weights()
     if wt is None:
         return model.head(h)

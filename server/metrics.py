@@ -51,6 +51,10 @@ from nodraft.engine.stats import SpecStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+# the counters every step adds to, in the order of ``Metrics._step``'s row of sums
+STEP_COUNTERS = ("generation_tokens", "auto_choices", "draft_tokens", "accepted_tokens",
+                 "target_passes", "draft_cost", "plain_seconds", "verify_seconds",
+                 "draft_seconds")
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -62,6 +66,7 @@ class _Progress:
     submitted: float
     seen: dict[str, SpecStats] = field(default_factory=dict)  # method -> figures so far
     errors: int = 0
+    counted_errors: bool = False  # its drafter-error series made (at its first step)
     last_token_at: float | None = None
 
 
@@ -137,6 +142,10 @@ class Metrics:
         # and builds its key, ~10 times a step otherwise (children are never removed)
         self._children: dict[tuple, Any] = {}
         self._pending: dict[Any, float] = {}  # counter child -> increment not yet made
+        # the per-step counters' increments not yet made, one row of sums per (model,
+        # method, whether the request asked for auto), in ``STEP_COUNTERS``' order: a step
+        # adds to one list, the flush makes each counter's one increment
+        self._step_sums: dict[tuple[str, str, bool], list[float]] = {}
         self._lock = threading.Lock()  # the pending increments: the engine's thread adds
         # them under ``--engine-process false``, the event loop flushes them
 
@@ -160,6 +169,14 @@ class Metrics:
         """Make the counter increments the steps observed so far."""
         with self._lock:
             pending, self._pending = self._pending, {}
+            sums, self._step_sums = self._step_sums, {}
+        for (model, method, auto), row in sums.items():
+            for name, amount in zip(STEP_COUNTERS, row):
+                if name == "auto_choices" and not auto:
+                    continue
+                child = self._child(getattr(self, name), model, method)  # the series exists
+                if amount > 0:
+                    child.inc(amount)
         for child, amount in pending.items():
             if amount > 0:
                 child.inc(amount)
@@ -219,24 +236,27 @@ class Metrics:
         drafted = len(step.draft)
         seen.record(drafted, step.accepted, step.cost, step.plain_seconds,
                     step.verify_seconds, step.draft_seconds)
-        labels = (model, method)
+        key = (model, method, progress.request.method == "auto")
         with self._lock:
+            row = self._step_sums.get(key)
+            if row is None:
+                row = self._step_sums[key] = [0.0] * len(STEP_COUNTERS)
+            row[0] += len(step.tokens)
+            row[1] += 1  # auto_choices (made for auto's requests only)
+            row[2] += drafted
+            row[3] += step.accepted
+            row[4] += 1
+            row[5] += step.cost
+            row[6] += step.plain_seconds
+            row[7] += step.verify_seconds
+            row[8] += step.draft_seconds
             if step.cached_tokens is not None:  # the first step: the prompt's prefill
                 self._add(self.prefix_cache_queries, (model,), len(progress.request.prompt))
                 self._add(self.prefix_cache_hits, (model,), step.cached_tokens)
-            self._add(self.generation_tokens, labels, len(step.tokens))
-            if progress.request.method == "auto":
-                self._add(self.auto_choices, labels, 1)
-            self._add(self.draft_tokens, labels, drafted)
-            self._add(self.accepted_tokens, labels, step.accepted)
-            self._add(self.target_passes, labels, 1)
-            self._add(self.draft_cost, labels, step.cost)
-            self._add(self.plain_seconds, labels, step.plain_seconds)
-            self._add(self.verify_seconds, labels, step.verify_seconds)
-            self._add(self.draft_seconds, labels, step.draft_seconds)
             for pos in range(step.accepted):
-                self._add(self.accepted_per_position, (*labels, str(pos)), 1)
-        self._errors(progress, step.drafter_errors)
+                self._add(self.accepted_per_position, (model, method, str(pos)), 1)
+        if not progress.counted_errors or step.drafter_errors > progress.errors:
+            self._errors(progress, step.drafter_errors)
 
     def _export(self, progress: _Progress, method: str, now: SpecStats) -> None:
         """Add what one method's figures gained beyond what its steps exported (a request's
@@ -258,6 +278,7 @@ class Metrics:
         progress.seen[method] = now
 
     def _errors(self, progress: _Progress, errors: int) -> None:
+        progress.counted_errors = True
         with self._lock:
             self._add(self.drafter_errors, (progress.request.method,), errors - progress.errors)
         progress.errors = max(progress.errors, errors)

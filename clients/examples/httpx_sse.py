@@ -28,14 +28,14 @@ PROMPT = ("def area(width, height):\n    return width * height\n\n\n"
 
 
 def events(response: httpx.Response):
-    """The JSON payloads of an SSE stream, up to ``[DONE]``."""
+    """The JSON payloads of an SSE stream, up to ``[DONE]``; the stream is read to its end
+    (a response left unread closes its connection instead of returning it to the pool)."""
     for line in response.iter_lines():
         if not line.startswith("data: "):
             continue  # blank separators and ": ping" comments
         data = line[len("data: "):]
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
+        if data != "[DONE]":
+            yield json.loads(data)
 
 
 def main() -> None:

@@ -451,9 +451,34 @@ std::tuple<at::Tensor, at::Tensor> packed_block(
   return {x, logits};
 }
 
+// nodraft::head: the final norm and the head over rows h (T, C) between passes (a prompt's
+// last row once its prefill is done): norm (C,), head (C, V) or packed (V / 16, C, 16) --
+// the matrix a pass's head reads (so it is in the caches after a batch's pass), the same
+// sums, so the same bits as a pass's head gives those rows.
+at::Tensor head(const at::Tensor& h_in, const at::Tensor& norm, const at::Tensor& head_w,
+                double eps) {
+  TORCH_CHECK(h_in.dim() == 2 && h_in.scalar_type() == at::kFloat,
+              "nodraft::head: h must be (T, C) float32, got ", h_in.sizes(), " ",
+              h_in.scalar_type());
+  const int64_t T = h_in.size(0), C = h_in.size(1);
+  TORCH_CHECK(norm.numel() == C && norm.is_contiguous() && norm.scalar_type() == at::kFloat,
+              "nodraft::head: the norm's weight must be (", C, ",) float32");
+  const Mat wh = mat(head_w, "the head");
+  TORCH_CHECK(wh.K == C, "nodraft::head: the head's input is not ", C, " wide");
+  const at::Tensor x = h_in.contiguous();
+  at::Tensor xn = at::empty({T, C}, x.options());
+  at::Tensor logits = at::empty({T, wh.N}, x.options());
+  const float *px = x.data_ptr<float>(), *pw = norm.data_ptr<float>();
+  float* pn = xn.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) rms_norm(px + t * C, pw, C, static_cast<float>(eps), pn + t * C);
+  if (T > 0) nodraft_kernels::gemm(pn, T, C, wh.p, wh.N, wh.packed, logits.data_ptr<float>());
+  return logits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nodraft, m) {
+  m.def("head(Tensor h, Tensor norm, Tensor head, float eps) -> Tensor");
   m.def("block(Tensor h, Tensor pos, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] mats, "
         "Tensor(a!) kc, Tensor(b!) vc, int slot, int start, int lo, Tensor? mask, float eps) "
         "-> (Tensor, Tensor)");
@@ -462,6 +487,7 @@ TORCH_LIBRARY_FRAGMENT(nodraft, m) {
         "int[] starts, Tensor?[] masks, int[] logits, int lo, float eps) -> (Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(nodraft, CPU, m) {
+  m.impl("head", &head);
   m.impl("block", &block);
   m.impl("packed_block", &packed_block);
 }

@@ -10,6 +10,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nodraft.clients import loadtest
 from nodraft.clients.loadtest import LoadConfig, percentiles, run_loadtest, speculation
@@ -41,6 +42,25 @@ def test_streaming_mix_of_methods(live):
         (lookup["accepted"] + lookup["target_passes"]) / lookup["target_passes"])
     assert "12/12 done" in progress.getvalue()
     assert "prompt_lookup" in loadtest.render(r)
+
+
+def test_each_stream_keeps_its_connection(live, monkeypatch):
+    """A worker sends its requests on one kept-alive connection: it reads each stream to
+    its end (a response left unread past ``[DONE]`` closes its connection), so the server
+    sees as many connections as streams, not one per request."""
+    opened = []
+    made = H11Protocol.connection_made
+
+    def counted(self, transport):
+        opened.append(transport.get_extra_info("peername"))
+        made(self, transport)
+
+    monkeypatch.setattr(H11Protocol, "connection_made", counted)
+    config = LoadConfig(url=live.url, concurrency=2, requests=8, max_tokens=4,
+                        methods=["none"])
+    r = asyncio.run(run_loadtest(config))
+    assert r["requests"] == {"sent": 8, "ok": 8, "failed": 0}
+    assert len(opened) == 2, opened
 
 
 def test_cli_not_streaming_json(live, capsys):

@@ -65,6 +65,22 @@ def test_a_block_matches_eager(pair, T, tree):
     assert cf.k[:, 0].abs().sum() == 0 and cf.k[:, 1, :, 40 + T:].abs().sum() == 0
 
 
+def test_the_head_between_passes_gives_a_pass_s_bits(pair):
+    """``head_rows`` (a prompt's first token, after its prefill) by ``nodraft::head``, from
+    the head matrix the passes read: bit for bit the logits a pass's head gives the same
+    rows, however many rows it is given."""
+    from nodraft.micro.packed import head_rows
+
+    eager, fast = pair
+    cf = _prefilled(eager, 40)
+    with torch.inference_mode():
+        lf, hf = fast.verify_pass(torch.tensor([5, 6, 7]), cf, 1, 40, None, None)
+        assert "nodraft::head" in _ops(lambda: head_rows(fast, hf[-1:]))
+        assert torch.equal(head_rows(fast, hf), lf)
+        assert torch.equal(head_rows(fast, hf[-1:]), lf[-1:])
+        torch.testing.assert_close(head_rows(fast, hf), eager.head(hf), **TOL)
+
+
 def test_early_exit_ranges_match_eager(pair):
     eager, fast = pair
     ce, cf = _prefilled(eager, 30), _prefilled(eager, 30)
