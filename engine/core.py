@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -95,11 +96,11 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # the prompt tokens' too, on the first step
 
 
-@dataclass
-class Event:
+class Event(msgspec.Struct, array_like=True, gc=False):
     """What the engine reports: ``admit``, ``step`` (tokens and figures), then one
     ``finish`` or ``error``; both carry the request's totals (``stats`` over the request,
-    ``stats_by_method`` by the drafter that proposed) when it was admitted."""
+    ``stats_by_method`` by the drafter that proposed) when it was admitted. A msgspec
+    Struct, as ``StepResult`` is: an array on the wire, untracked by the collector."""
 
     kind: str  # "admit" | "step" | "finish" | "error"
     step: StepResult | None = None

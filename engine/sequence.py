@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -39,8 +40,11 @@ from nodraft.engine.verify import SamplingParams, accept, race_rows
 PREFILL_CHUNK = 256
 
 
-@dataclass
-class StepResult:
+class StepResult(msgspec.Struct, array_like=True, gc=False):
+    """One step's outcome for one sequence, as the engine reports it (``Event.step``).
+    Plain data, a msgspec Struct: it crosses to the API process as an array, and neither
+    process's garbage collector tracks the thousands a second a batch makes."""
+
     tokens: list[int]  # emitted this step, in order (after stops)
     n_accepted: int  # how many of ``tokens`` were accepted draft tokens (the rest: bonus)
     draft: list[int]  # the draft's tokens (tree nodes in node order)
