@@ -279,9 +279,8 @@ async def run_loadtest(config: LoadConfig, progress: TextIO | None = None,
                                  timeout=config.timeout) for _ in range(config.concurrency)]
 
     async def worker(client: httpx.AsyncClient) -> None:
-        async with client:
-            while (job := next_request()) is not None:
-                outcomes.append(await one_request(client, config, *job))
+        while (job := next_request()) is not None:
+            outcomes.append(await one_request(client, config, *job))
 
     start = time.perf_counter()
     workers = [asyncio.create_task(worker(client)) for client in clients]
@@ -291,11 +290,13 @@ async def run_loadtest(config: LoadConfig, progress: TextIO | None = None,
     try:
         await asyncio.gather(*workers)
     finally:
+        elapsed = time.perf_counter() - start
         for w in workers:
             w.cancel()
         if reporter is not None:
             reporter.cancel()
-    elapsed = time.perf_counter() - start
+        for client in clients:
+            await client.aclose()
     if progress is not None:
         _progress_line(progress, outcomes, issued, config, elapsed, final=True)
     return report(config, outcomes, elapsed)
