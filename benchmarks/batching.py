@@ -103,16 +103,15 @@ def cpu_seconds(pid: int) -> float | None:
 
 
 def engine_pid(api_pid: int) -> int | None:
-    """The engine process a server's API process started (its multiprocessing child)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != api_pid:
-                continue
-            if b"spawn_main" in (stat.parent / "cmdline").read_bytes():
-                return int(stat.parent.name)
-        except (OSError, ValueError, IndexError):
-            continue
-    return None
+    """The engine process a server's API process started: its child started by
+    multiprocessing's spawn (the other is multiprocessing's resource tracker)."""
+    try:
+        children = [c for task in Path(f"/proc/{api_pid}/task").iterdir()
+                    for c in (task / "children").read_text().split()]
+        return next((int(c) for c in children
+                     if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()), None)
+    except OSError:
+        return None
 
 
 def one(url: str, concurrency: int, method: str, n: int, max_tokens: int,

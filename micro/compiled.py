@@ -271,12 +271,13 @@ class CompiledPasses:
     def head_rows(self, h: Tensor) -> Tensor | None:
         """The final norm and head over rows h (T, dim) by ``nodraft::head``, from the head
         matrix every pass of ``nodraft::block`` reads -- the same bits as a pass's head
-        gives those rows; None until those passes are decided to serve and their weights
-        are laid out (never decided or built here)."""
-        if not (self._block and self._wt_mm is not None and h.dtype == torch.float32):
+        gives those rows; None until those passes are decided to serve (which lays their
+        weights out first; never decided here)."""
+        if not (self._block and h.dtype == torch.float32):
             return None
         return torch.ops.nodraft.head.default(h, self.model.norm.weight.detach(),
-                                              self._wt_mm["head"], self.model.config.norm_eps)
+                                              self._product_weights()["head"],
+                                              self.model.config.norm_eps)
 
     def _block_weights(self, lo: int, hi: int, head: bool) -> tuple[list, list]:
         """``nodraft::block``'s norms and matrices for layers [lo, hi) (and the head)."""
