@@ -3,7 +3,8 @@ another, in one run.
 
     git worktree add /tmp/before <commit>
     python benchmarks/step_overhead.py --before /tmp/before [--streams 32] [--rounds 6]
-                                       [--method none] [--temperature 0] [--out FILE.json]
+                                       [--method none] [--temperature 0] [--top-p 1]
+                                       [--out FILE.json]
 
 The engine measures it itself: a packed iteration's seconds outside its pass and its
 drafters (planning, segments, verification, commits, events), per stepping sequence
@@ -12,8 +13,10 @@ processes, one per checkout (``checkouts.checkout_env``), each on the first core
 engine built as the engine process builds it, compiled passes ready; rounds alternate the
 workers (after, before; then before, after). In a round a worker decodes ``--streams``
 requests of 64 tokens at once (the loadtest's built-in prompts, in turn; sampled requests
-seeded by index) and reports the median of its iterations' per-sequence overhead and its
-tokens/s. Reported: the median over rounds of each, and after / before.
+at ``--temperature`` and ``--top-p``, seeded by index) and reports the median of its
+iterations' per-sequence overhead (none with one stream: a lone sequence's steps are not
+packed) and its tokens/s. Reported: the median over rounds of
+each, and after / before.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
@@ -77,13 +80,15 @@ def worker(args: argparse.Namespace) -> None:
 
         t0 = time.perf_counter()
         for i in range(args.streams):
-            sampling = SamplingParams(args.temperature, seed=None if not args.temperature else i)
+            sampling = (SamplingParams(args.temperature, args.top_p, seed=i) if args.temperature
+                        else SamplingParams())
             engine.submit(GenerationRequest("micro", prompts[i % len(prompts)], 64, sampling,
                                             method=method, params=params), count)
         while engine.busy:
             engine.run_once()
         seconds = time.perf_counter() - t0
-        print(json.dumps({"overhead_us": 1e6 * statistics.median(seen),
+        # a lone sequence runs no packed iteration: no overhead of that kind to report
+        print(json.dumps({"overhead_us": 1e6 * statistics.median(seen) if seen else None,
                           "tokens_per_s": tokens[0] / seconds}), flush=True)
 
 
@@ -94,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--method", default="none")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -103,15 +109,18 @@ def main(argv: list[str] | None = None) -> None:
     first = min(os.sched_getaffinity(0))
     cmd = ["taskset", "-c", str(first), sys.executable, os.path.abspath(__file__), "--worker",
            "--before", args.before, "--streams", str(args.streams), "--method", args.method,
-           "--temperature", str(args.temperature)]
+           "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rounds = alternate(cmd, {"after": here, "before": args.before}, args.rounds)
     out = {"streams": args.streams, "method": args.method, "temperature": args.temperature,
+           "top_p": args.top_p,
            "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "before": args.before}
     for key in ("overhead_us", "tokens_per_s"):
-        a = [x[key] for x in rounds["after"]]
-        b = [x[key] for x in rounds["before"]]
+        a = [x[key] for x in rounds["after"] if x[key] is not None]
+        b = [x[key] for x in rounds["before"] if x[key] is not None]
+        if not a or not b:
+            continue
         out[key] = {"after": statistics.median(a), "before": statistics.median(b),
                     "after_range": [min(a), max(a)], "before_range": [min(b), max(b)],
                     "after_over_before": statistics.median(a) / statistics.median(b)}

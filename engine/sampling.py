@@ -99,6 +99,7 @@ class PositionNoise:
 
     def __init__(self, seed: int, vocab_size: int):
         self.seed = seed % 2**64
+        self.bits = self.seed - 2**64 if self.seed >= 2**63 else self.seed  # as an int64
         self.vocab_size = vocab_size
         self.groups, self.width = group_shape(vocab_size)
 
@@ -149,10 +150,12 @@ def race_kernel(scaled: Tensor, noises: list[PositionNoise], positions: list[int
     ``top_ks`` / ``top_ps``, row r's top-k and top-p remove tokens inside the call first,
     by ``engine.verify.kept``'s rule (``kept_kernel``)."""
     R = scaled.shape[0]
-    seeds = [n.seed - 2**64 if n.seed >= 2**63 else n.seed for n in noises]  # int64 bits
+    if scaled.dtype != torch.float32:
+        scaled = scaled.float()
     return torch.ops.nodraft.race.default(
-        scaled.detach().float(), temperatures or [1.0] * R, seeds, positions,
-        noises[0].groups, noises[0].width, top_ks or [0] * R, top_ps or [1.0] * R)
+        scaled.detach() if scaled.requires_grad else scaled, temperatures or [1.0] * R,
+        [n.bits for n in noises], positions, noises[0].groups, noises[0].width,
+        top_ks or [0] * R, top_ps or [1.0] * R)
 
 
 def kept_kernel(scaled: Tensor, top_k: int, top_p: float) -> Tensor:

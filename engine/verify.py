@@ -152,14 +152,22 @@ def race_blocks(logits: Tensor, blocks: list[tuple[SamplingParams, int]],
     ``positions[r]``. One call for every row: with ``nodraft::race`` the temperature, top-k
     and top-p apply inside it; otherwise each block's logits are scaled and masked first
     (``scaled_logits``)."""
-    temps = [sp.temperature for sp, n in blocks for _ in range(n)]
-    logits = logits.float()
-    if not any(sp.filters for sp, _ in blocks):
-        return race(logits, noises, positions, temps)
-    if native():
-        return race_kernel(logits, noises, positions, temps,
+    if len(blocks) == 1:  # a lone sequence's rows
+        (sp, n), = blocks
+        if not sp.filters:
+            return race(logits, noises, positions, [sp.temperature] * n)
+        if native():
+            return race_kernel(logits, noises, positions, [sp.temperature] * n,
+                               [sp.top_k] * n, [sp.top_p] * n)
+    elif not any(sp.filters for sp, _ in blocks):
+        return race(logits, noises, positions,
+                    [sp.temperature for sp, n in blocks for _ in range(n)])
+    elif native():
+        return race_kernel(logits, noises, positions,
+                           [sp.temperature for sp, n in blocks for _ in range(n)],
                            [sp.top_k for sp, n in blocks for _ in range(n)],
                            [sp.top_p for sp, n in blocks for _ in range(n)])
+    logits = logits.float()
     scaled, o = [], 0
     for sp, n in blocks:
         scaled.append(scaled_logits(logits[o:o + n], sp))

@@ -173,6 +173,7 @@ inline uint32_t order_key(float f) {
 struct Select {
   std::vector<int32_t> cand, next;
   double measure[2048];
+  uint64_t filled[32];  // a bit per bin that a candidate falls in
 };
 
 // The smallest kept key: token i is kept iff measure({j : key[j] > key[i]}) < target, where
@@ -199,24 +200,57 @@ uint32_t keep_from(const uint32_t* key, const float* w, int64_t m, double target
     const int shift = kShift[level];
     const uint32_t bins = kBins[level];
     std::memset(s.measure, 0, sizeof(double) * bins);
+    std::memset(s.filled, 0, sizeof s.filled);
     for (int64_t j = 0; j < m; ++j) {
       const int32_t i = s.cand[j];
-      s.measure[(key[i] >> shift) & (bins - 1)] += w ? static_cast<double>(w[i]) : 1.0;
+      const uint32_t bin = (key[i] >> shift) & (bins - 1);
+      s.measure[bin] += w ? static_cast<double>(w[i]) : 1.0;
+      s.filled[bin >> 6] |= uint64_t{1} << (bin & 63);
     }
-    int64_t b = bins - 1;  // an empty bin never crosses a target above 0
-    for (; b >= 0 && above + s.measure[b] < target; --b) above += s.measure[b];
+    // the filled bins from the top (an empty bin never crosses a target above 0)
+    int64_t b = -1;
+    for (int64_t word = (bins - 1) >> 6; word >= 0 && b < 0; --word) {
+      for (uint64_t bits = s.filled[word]; bits;) {
+        const int top = 63 - __builtin_clzll(bits);
+        const int64_t at = word * 64 + top;
+        if (above + s.measure[at] >= target) {
+          b = at;
+          break;
+        }
+        above += s.measure[at];
+        bits &= ~(uint64_t{1} << top);
+      }
+    }
     if (b < 0) return base;  // the target is not reached: keep every candidate
     base |= static_cast<uint32_t>(b) << shift;
     if (level == 2) break;
-    int64_t k = 0;
+    int64_t k = 0;  // without a branch: most candidates leave, at random
     for (int64_t j = 0; j < m; ++j) {
       const int32_t i = s.cand[j];
-      if (((key[i] >> shift) & (bins - 1)) == static_cast<uint32_t>(b)) s.next[k++] = i;
+      s.next[k] = i;
+      k += ((key[i] >> shift) & (bins - 1)) == static_cast<uint32_t>(b);
     }
     std::swap(s.cand, s.next);
     m = k;
   }
   return base;
+}
+
+// The sum of w[0, n) in float64: four sums of every fourth group of four floats, then
+// theirs, as pairs (the order differs from a running sum's in the last places only).
+double weight_sum(const float* w, int64_t n) {
+  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                    _mm256_setzero_pd()};
+  int64_t v = 0;
+  for (; v + 16 <= n; v += 16)
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm256_add_pd(acc[j], _mm256_cvtps_pd(_mm_loadu_ps(w + v + 4 * j)));
+  alignas(32) double lane[4];
+  _mm256_store_pd(lane, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]),
+                                      _mm256_add_pd(acc[2], acc[3])));
+  double total = (lane[0] + lane[1]) + (lane[2] + lane[3]);
+  for (; v < n; ++v) total += w[v];
+  return total;
 }
 
 // Row scratch: the scaled logits' keys and the weights (``groups * width`` of them, the
@@ -265,8 +299,8 @@ uint32_t row_weights(const float* row, int64_t V, int64_t padded, float temp, in
   for (; v < padded; ++v) w[v] = 0.0f;
   if (!filters) return 0;
   std::vector<int32_t>& cand = s.select.cand;
-  cand.resize(V);
-  s.select.next.resize(V);
+  cand.resize(V + 16);  // room for a whole vector's store past the last candidate
+  s.select.next.resize(V + 16);
   uint32_t least = 0;
   if (top_k > 0 && top_k < V) {
     for (v = 0; v < V; ++v) cand[v] = static_cast<int32_t>(v);
@@ -274,16 +308,32 @@ uint32_t row_weights(const float* row, int64_t V, int64_t padded, float temp, in
     for (v = 0; v < V; ++v) w[v] = key[v] >= least ? w[v] : 0.0f;
   }
   if (top_p < 1.0) {
-    double total = 0.0;
-    for (v = 0; v < V; ++v) total += w[v];
+    const double total = weight_sum(w, V);
     // a token whose scaled logit is below top + log(c), c = (1 - top_p) * total / (2V),
     // weighs under c, and so do all below it: together under (1 - top_p) * total, so what
-    // is above it reaches top_p * total and it is removed. Only the rest are candidates.
+    // is above it reaches top_p * total and it is removed. Only the rest are candidates,
+    // gathered without a branch (which of them pass is data, not a pattern).
     const double c = (1.0 - top_p) * total / (2.0 * static_cast<double>(V));
     const uint32_t floor = c > 0.0 ? order_key(top + static_cast<float>(std::log(c))) : 0;
+    const uint32_t lowest = floor > least ? floor : least;
     int64_t m = 0;
-    for (v = 0; v < V; ++v)
-      if (key[v] >= floor && key[v] >= least) cand[m++] = static_cast<int32_t>(v);
+    v = 0;
+#ifdef __AVX512F__
+    const __m512i vlow = _mm512_set1_epi32(static_cast<int>(lowest));
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; v + 16 <= V; v += 16, ids = _mm512_add_epi32(ids, step)) {
+      const __mmask16 pass = _mm512_cmpge_epu32_mask(
+          _mm512_loadu_si512(reinterpret_cast<const void*>(key + v)), vlow);
+      _mm512_storeu_si512(reinterpret_cast<void*>(cand.data() + m),
+                          _mm512_maskz_compress_epi32(pass, ids));
+      m += __builtin_popcount(static_cast<unsigned>(pass));
+    }
+#endif
+    for (; v < V; ++v) {
+      cand[m] = static_cast<int32_t>(v);
+      m += key[v] >= lowest;
+    }
     const uint32_t nucleus = keep_from(key, w, m, top_p * total, s.select);
     if (nucleus > least) {
       least = nucleus;
@@ -336,7 +386,7 @@ std::vector<int64_t> race(const at::Tensor& logits, c10::ArrayRef<double> temps,
               "nodraft::race: one seed and position per row");
   const at::Tensor x = logits.contiguous();
   std::vector<int64_t> out(R);
-  Row s;
+  static thread_local Row s;  // the scratch a thread's calls share, warm in its caches
   s.w.resize(groups * width + 8);
   s.key.resize(V + 8);
   std::vector<float> mass(groups);
