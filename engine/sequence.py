@@ -32,6 +32,7 @@ from torch import Tensor
 from nodraft.drafters.base import NOT_LOOKED, Draft, DraftContext, Drafter, close_drafter, hook
 from nodraft.drafters.none import NoDraft
 from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.ops import inference
 from nodraft.micro.packed import Segment, head_rows
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import PositionNoise, derive_seed
@@ -149,7 +150,7 @@ class Sequence:
         return self.finish_reason is not None
 
     # -- prefill --------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def prefill(self) -> None:
         """Cache every prompt token but the last, which the first ``step`` then verifies
         with a draft (``step`` alone prefills the whole prompt and takes the first token
@@ -253,7 +254,7 @@ class Sequence:
         pos = torch.cat([n + depth, n + aux.pos])
         return torch.tensor(ids), pos, full
 
-    @torch.inference_mode()
+    @inference
     def verify(self, draft: Draft) -> tuple[Tensor, Tensor]:
         """ONE target pass over [current, *draft] (and any aux rows): logits (1+k, V) and
         final hidden (1+k, dim) of the current token and the draft nodes."""
@@ -377,7 +378,7 @@ class Sequence:
         self.ctx.step_seconds = time.perf_counter() - t_step
         return result
 
-    @torch.inference_mode()
+    @inference
     def _prefill_step(self) -> StepResult:
         """The first step: the prompt's rows not yet cached through every layer, then its
         first token (``_first_token``)."""

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nodraft.micro import gemm
-from nodraft.micro.ops import additive_mask, apply_rope, cat_ints
+from nodraft.micro.ops import additive_mask, apply_rope, cat_ints, inference
 
 
 
@@ -236,7 +236,7 @@ class CompiledPasses:
             self._block = serves
         return self._block
 
-    @torch.inference_mode()
+    @inference
     def packed_block(self, segments: list, cache) -> list[tuple[Tensor | None, Tensor]] | None:
         """ONE pass over several sequences' blocks (``micro.packed.Segment``s, any sizes,
         prompts' chunks among them) through ``nodraft::packed_block``: per segment,
@@ -267,7 +267,7 @@ class CompiledPasses:
             o += T
         return out
 
-    @torch.inference_mode()
+    @inference
     def head_rows(self, h: Tensor) -> Tensor | None:
         """The final norm and head over rows h (T, dim) by ``nodraft::head``, from the head
         matrix every pass of ``nodraft::block`` reads -- the same bits as a pass's head
@@ -314,7 +314,7 @@ class CompiledPasses:
                 self._causal[(T, dtype)] = m
         return m
 
-    @torch.inference_mode()
+    @inference
     def run(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int, start: int,
             mask: Tensor | None, head: bool, compile: bool | None = None
             ) -> tuple[Tensor, Tensor | None] | None:
@@ -363,7 +363,7 @@ class CompiledPasses:
         v_slot[:, :, start:start + T] = v_new
         return out, logits
 
-    @torch.inference_mode()
+    @inference
     def prefill(self, h: Tensor, cache, slot: int, compile: bool | None = None,
                 start: int = 0) -> Tensor | None:
         """A prompt's rows h (T, dim) through every layer into ``slot`` at rows
@@ -430,7 +430,7 @@ class CompiledPasses:
             self.compile_seconds += time.perf_counter() - t0
         return got
 
-    @torch.inference_mode()
+    @inference
     def packed(self, segments: list, cache, compile: bool | None = None
                ) -> list[tuple[Tensor, Tensor]] | None:
         """ONE pass over several sequences' blocks (``micro.packed.Segment``s, each of its

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nodraft.micro.ops import additive_mask, apply_rope, rope_tables  # noqa: F401 (also micro.model's API)
+from nodraft.micro.ops import additive_mask, apply_rope, inference, rope_tables  # noqa: F401 (also micro.model's API)
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class Micro(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    @torch.inference_mode()
+    @inference
     def verify_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int,
                     pos: Tensor | None = None, tree_mask: Tensor | None = None
                     ) -> tuple[Tensor, Tensor]:
@@ -258,7 +258,7 @@ class Micro(nn.Module):
                       tree_mask=tree_mask, hidden=hidden)
         return logits[0], hidden[-1][0]
 
-    @torch.inference_mode()
+    @inference
     def prefill_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int) -> Tensor:
         """Prompt ids (T,) through every layer with their KV rows written at
         [start, start+T), each row seeing the rows before it: the final residual stream
@@ -276,7 +276,7 @@ class Micro(nn.Module):
                                cache=cache, slot=slot, start=start,
                                mask=self.block_mask(T, start, None), hidden=[])[0]
 
-    @torch.inference_mode()
+    @inference
     def exit_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int, exit_layer: int
                   ) -> tuple[Tensor, Tensor]:
         """Early exit: ids (T,) through layers [0, exit_layer) with their KV rows written
@@ -284,14 +284,14 @@ class Micro(nn.Module):
         residual stream (T, dim). Compiled when ``compile()`` was called."""
         return self._layer_range(self.embed(ids), cache, slot, start, 0, exit_layer, True)
 
-    @torch.inference_mode()
+    @inference
     def exit_residual(self, ids: Tensor, cache: KVCache, slot: int, start: int,
                       exit_layer: int) -> Tensor:
         """As ``exit_pass`` without the head: the layer-``exit_layer`` residual stream
         (T, dim) (for a drafter with a head of its own)."""
         return self._layer_range(self.embed(ids), cache, slot, start, 0, exit_layer, False)[1]
 
-    @torch.inference_mode()
+    @inference
     def verify_from(self, h: Tensor, cache: KVCache, slot: int, start: int, layer: int
                     ) -> tuple[Tensor, Tensor]:
         """A chain block's layer-``layer`` residual stream h (T, dim), its rows below
@@ -318,7 +318,9 @@ class Micro(nn.Module):
 
     # -- the pieces -----------------------------------------------------------------------
     def embed(self, idx: Tensor) -> Tensor:
-        return self.tok_embeddings(idx)  # (B, T, dim)
+        """The token embeddings of ``idx`` (..., dim): what ``tok_embeddings`` (a plain
+        ``nn.Embedding``) returns, without the module call around it."""
+        return torch.embedding(self.tok_embeddings.weight, idx)
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm and the tied LM head: residual stream (..., dim) -> logits (..., V)."""

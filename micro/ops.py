@@ -1,11 +1,30 @@
 """The operations micro's eager passes (micro/model.py), its compiled passes
 (micro/compiled.py) and the EAGLE head share: rotary tables and their application, and
-SDPA's additive mask. One definition, so the graphs compute what the eager code does."""
+SDPA's additive mask. One definition, so the graphs compute what the eager code does.
+And ``inference``, the decorator the passes' entry points run under."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
+
+
+def inference(fn):
+    """``fn`` run in inference mode, as ``@torch.inference_mode()`` runs it, but entered
+    only where the caller is not in it already: a pass's entry points are called from the
+    engine's iteration, which is, once per token or more, and ``torch.inference_mode``'s
+    own decorator enters and leaves a context object each call, nested or not."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def rope_tables(config) -> tuple[Tensor, Tensor]:

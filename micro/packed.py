@@ -11,7 +11,7 @@ from torch import Tensor
 
 from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.ops import apply_rope, cat_ints
+from nodraft.micro.ops import apply_rope, cat_ints, inference
 
 
 @dataclass
@@ -110,7 +110,7 @@ def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int
             torch.tensor(dest))
 
 
-@torch.inference_mode()
+@inference
 def forward_packed(model: Micro, segments: list[Segment], cache: KVCache
                    ) -> list[tuple[Tensor | None, Tensor]]:
     """ONE target pass over every segment: per segment, (logits (T, V) or None, final
@@ -165,7 +165,7 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
     offsets = _offsets(segments)
     plan = _packed_attention_plan(segments, offsets, N)
     cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
-    h = model.tok_embeddings(ids)  # (N, dim)
+    h = model.embed(ids)  # (N, dim)
     for li, layer in enumerate(model.layers):
         an, fn = layer.attention_norm, layer.ffn_norm
         x = F.rms_norm(h, an.weight.shape, an.weight, an.eps)
