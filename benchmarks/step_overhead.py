@@ -15,8 +15,7 @@ workers (after, before; then before, after). In a round a worker decodes ``--str
 requests of 64 tokens at once (the loadtest's built-in prompts, in turn; sampled requests
 at ``--temperature`` and ``--top-p``, seeded by index) and reports the median of its
 iterations' per-sequence overhead (none with one stream: a lone sequence's steps are not
-packed) and its tokens/s. Reported: the median over rounds of
-each, and after / before.
+packed) and its tokens/s. Reported: the median over rounds of each, and after / before.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
