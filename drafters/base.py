@@ -133,6 +133,12 @@ class Draft:
     def _size(self) -> int:  # asked many times a step: the tensor's count, once
         return int(self.tokens.numel())
 
+    @functools.cached_property
+    def token_list(self) -> list[int]:
+        """``tokens`` as a list, made once (a step reads it several times); not to be
+        changed in place."""
+        return self.tokens.tolist()
+
     @property
     def n_aux(self) -> int:
         return 0 if self.aux is None else int(self.aux.tokens.numel())

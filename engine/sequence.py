@@ -236,7 +236,7 @@ class Sequence:
         n = self.cache.lengths[self.slot]
         assert n == len(self.tokens) - 1
         k, m = len(draft), draft.n_aux
-        ids = [self.tokens[-1], *draft.tokens.tolist()]
+        ids = [self.tokens[-1], *draft.token_list]
         if draft.parents is None:
             depth = torch.arange(k + 1)
             mask = None if not m else torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
@@ -269,7 +269,7 @@ class Sequence:
             self._reused = E / m.config.n_layers  # for its price: layers below E were reused
             return m.verify_from(h, self.cache, self.slot, n, E)
         if draft.parents is None and not draft.n_aux:  # a chain: positions and mask implied
-            ids = torch.tensor([self.tokens[-1], *draft.tokens.tolist()])
+            ids = torch.tensor([self.tokens[-1], *draft.token_list])
             self.ctx.aux_logits = None
             return m.verify_pass(ids, self.cache, self.slot, n)
         ids, pos, tree_mask = self.block(draft)
@@ -297,7 +297,7 @@ class Sequence:
         if draft.parents is not None and path:  # move the accepted path's rows into place
             self.cache.move_rows(self.slot, [n + 1 + i for i in path], n + 1)
         self.cache.set_length(self.slot, n + 1 + len(path))
-        dtok = draft.tokens.tolist() if len(draft) else []
+        dtok = list(draft.token_list)
         accepted = [dtok[i] for i in path]
         method = draft.method or self.method
         plain_s = verify_s = 0.0
@@ -313,8 +313,12 @@ class Sequence:
         if features is not None:
             self.ctx.last_hidden = features
         else:
-            self.ctx.last_hidden = (hidden if hidden.shape[0] == 1 else hidden[:1]) if not path \
-                else hidden[[0, *(i + 1 for i in path)]]
+            if not path:
+                self.ctx.last_hidden = hidden if hidden.shape[0] == 1 else hidden[:1]
+            elif draft.parents is None:  # a chain's accepted path: its first rows, in order
+                self.ctx.last_hidden = hidden[:1 + len(path)]
+            else:
+                self.ctx.last_hidden = hidden[[0, *(i + 1 for i in path)]]
         emitted = accepted + [bonus]
         finish = None
         hit = next((i for i, t in enumerate(emitted) if t in self.stop_ids), None)
@@ -484,7 +488,7 @@ def tree_attention_mask(parents: Tensor) -> Tensor:
 def _rejected_branch(draft: Draft, path: list[int]) -> list[int]:
     """The draft tokens after the accepted path on the first branch not taken (a chain's
     rejected tail; for a tree, the first child of the last accepted node's branch)."""
-    tokens = draft.tokens.tolist()
+    tokens = draft.token_list
     if draft.parents is None:
         return tokens[len(path):]
     parents = draft.parents.tolist()

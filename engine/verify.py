@@ -231,7 +231,7 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
         if sp.greedy:
             return [], greedy_tokens(logits[:1])[0]
         return [], race_rows(logits, sp, noise, [pos])[0]
-    tokens = draft.tokens.tolist()
+    tokens = draft.token_list
     children = children_of(draft) if len(tokens) else [[]]
     path: list[int] = []
     row = 0
