@@ -312,13 +312,12 @@ class Sequence:
             s.record(len(draft), len(accepted), draft.cost, plain_s, verify_s, draft_s)
         if features is not None:
             self.ctx.last_hidden = features
+        elif not path:
+            self.ctx.last_hidden = hidden if hidden.shape[0] == 1 else hidden[:1]
+        elif draft.parents is None:  # a chain's accepted path: its first rows, in order
+            self.ctx.last_hidden = hidden[:1 + len(path)]
         else:
-            if not path:
-                self.ctx.last_hidden = hidden if hidden.shape[0] == 1 else hidden[:1]
-            elif draft.parents is None:  # a chain's accepted path: its first rows, in order
-                self.ctx.last_hidden = hidden[:1 + len(path)]
-            else:
-                self.ctx.last_hidden = hidden[[0, *(i + 1 for i in path)]]
+            self.ctx.last_hidden = hidden[[0, *(i + 1 for i in path)]]
         emitted = accepted + [bonus]
         finish = None
         hit = next((i for i, t in enumerate(emitted) if t in self.stop_ids), None)

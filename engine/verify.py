@@ -152,21 +152,19 @@ def race_blocks(logits: Tensor, blocks: list[tuple[SamplingParams, int]],
     ``positions[r]``. One call for every row: with ``nodraft::race`` the temperature, top-k
     and top-p apply inside it; otherwise each block's logits are scaled and masked first
     (``scaled_logits``)."""
-    if len(blocks) == 1:  # a lone sequence's rows
+    if len(blocks) == 1:  # a lone sequence's rows: its settings repeated
         (sp, n), = blocks
-        if not sp.filters:
-            return race(logits, noises, positions, [sp.temperature] * n)
-        if native():
-            return race_kernel(logits, noises, positions, [sp.temperature] * n,
-                               [sp.top_k] * n, [sp.top_p] * n)
-    elif not any(sp.filters for sp, _ in blocks):
-        return race(logits, noises, positions,
-                    [sp.temperature for sp, n in blocks for _ in range(n)])
-    elif native():
-        return race_kernel(logits, noises, positions,
-                           [sp.temperature for sp, n in blocks for _ in range(n)],
-                           [sp.top_k for sp, n in blocks for _ in range(n)],
-                           [sp.top_p for sp, n in blocks for _ in range(n)])
+        temps, top_ks, top_ps = [sp.temperature] * n, [sp.top_k] * n, [sp.top_p] * n
+        filters = sp.filters
+    else:
+        temps = [sp.temperature for sp, n in blocks for _ in range(n)]
+        top_ks = [sp.top_k for sp, n in blocks for _ in range(n)]
+        top_ps = [sp.top_p for sp, n in blocks for _ in range(n)]
+        filters = any(sp.filters for sp, _ in blocks)
+    if not filters:
+        return race(logits, noises, positions, temps)
+    if native():
+        return race_kernel(logits, noises, positions, temps, top_ks, top_ps)
     logits = logits.float()
     scaled, o = [], 0
     for sp, n in blocks:
