@@ -53,7 +53,8 @@ def default_prompts() -> dict[str, str]:
 class Run:
     tokens: list[int]
     stats: SpecStats
-    seconds: float  # decoding only: the prefill is the same for every drafter and left out
+    seconds: float  # decoding only: the prefill (the same for every drafter) and the
+    # drafter's close hook after the last token (``Sequence.close``) left out
 
 
 def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
@@ -76,6 +77,9 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
                                                  costs.timing_start(cache.max_len))
     seq = Sequence(model, cache, 0, prompt, drafter, n_tokens, sampling or SamplingParams(),
                    stop_ids, method=meth, pass_cost=cost)
+    # the drafter's close hook runs after the last token, as the engine runs it after the
+    # request's last outputs: what it does (suffix decoding's store) is for later requests
+    seq.defer_close = True
     out: list[int] = []
     with torch.inference_mode():
         seq.prefill()
@@ -83,6 +87,7 @@ def decode(model: Micro, prompt: list[int], n_tokens: int, method: str = "none",
         while not seq.done:
             out += seq.step().tokens
         seconds = time.perf_counter() - t0
+        seq.close()
     return Run(out, seq.stats, seconds)
 
 

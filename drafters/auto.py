@@ -24,21 +24,26 @@ signals each is judged on:
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 - **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
   nothing beat plain decoding, auto does not ask at the next step, nor at the next 2, 4,
-  8, 16 and then 32 after further such steps in a row (``REST_MAX``); a draft with tokens
-  accepted starts them over. The passes it rests are plain decoding, and a rested step
-  skips auto's own bookkeeping: an asked step costs tens of microseconds of auto's work
-  and a slower pass after it, on a step of a few hundred, and under sampling nothing pays
-  at most steps. The rest lengths are the server's, per regime: a request goes on from
-  where the server's requests left them since a draft last paid (``server_pause``). A
-  copy that starts at a rested step would be met some steps late, so while any cheap
-  drafter's match length is believed at least ``COPIES_PAY`` (a copy's first step is
-  worth several tokens) -- this request's belief, or at its start the server's -- a
-  rested step looks whether such a match is there (``_copy_now``: a search of the
-  request's tokens) and asks at once if it is. Greedy it asks every step: there copies
-  pay, and rests measured a loss (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
+  8, 16 and then 32 after further such steps in a row (``REST_MAX``); a draft with
+  tokens accepted starts them over. A fresh server's requests above temperature 0.85
+  start at the longest rest (``FRESH_RESTS``): there, on the workload suite, no cheap
+  drafter paid in any category, while at 0.7 copies accepted whole do pay where the text
+  repeats. The passes it rests are plain decoding, and a rested step skips auto's own
+  bookkeeping: an asked step costs tens of microseconds of auto's work and a slower pass
+  after it, on a step of a few hundred, and under sampling nothing pays at most steps.
+  The rest lengths are the server's, per regime: a request goes on from where the
+  server's requests left them since a draft last paid (``server_pause``). A copy that
+  starts at a rested step would be met some steps late, so while any cheap drafter's
+  match length is believed at least ``COPIES_PAY`` (a copy's first step is worth several
+  tokens) -- this request's belief, or at its start the server's -- a rested step looks
+  whether such a match is there (``_copy_now``: a search of the request's tokens) and
+  asks at once if it is. Greedy it asks every step: there copies pay, and rests measured
+  a loss (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
-  next step asks only that drafter (a loop being copied goes on being copied); the others
-  are asked again at the first step it does not win outright.
+  next step asks only that drafter (a loop being copied goes on being copied), and sends
+  at least twice the length it took whole where its match gives that many -- a fresh
+  request's belief would grow a copy's drafts a few tokens a step; the others are asked
+  again at the first step it does not win outright.
 
 ``alpha`` is estimated per drafter, *match length* (prompt lookup's n-gram, suffix
 decoding's matched suffix; ``Draft.match_len``, lengths of 8 and more together) and
@@ -105,6 +110,8 @@ REST_MAX = 32  # the longest rest, in steps (``Auto.propose``)
 # more than the copies it met first gained (docs/LOG.md, "Pricing a draft's own work");
 # greedy, where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
 REST_REGIMES = ("t<=0.85", "t>0.85")
+# the regimes a fresh server's requests start at the longest rest in (``Auto._seed``)
+FRESH_RESTS = ("t>0.85",)
 # what a drafted step costs beyond its pass, more than an asked step without a draft (the
 # draft's tensor, verification's and the commit's work on its rows), in one-row passes,
 # until this server has measured it (``Auto._draft_overhead``): ~0.5 measured here
@@ -177,6 +184,7 @@ class Auto(DrafterBase):
         self.last: tuple[tuple, int, int] | None = None  # (key, depth, rows) of the last draft
         self.proposals: dict[tuple, list[int]] = {}  # this step's cheap chains
         self.winner: str | None = None  # the cheap drafter whose last draft was accepted whole
+        self.won = 0  # ... and that draft's length
         self.reg = "greedy"  # this request's sampling regime
         self.rest = 0  # steps left not to ask at (``propose``)
         self.pause = 0  # the last rest's length
@@ -384,7 +392,9 @@ class Auto(DrafterBase):
         self.copies_pay.update(k for k, g in self.global_est.items()
                                if k[2] == reg and g.alpha >= COPIES_PAY)
         self._wake_stale = True
-        self.pause = self.server_pause.get(reg, 0)
+        # a fresh server under sampling starts at the longest rest: there nothing pays at
+        # most steps, and a draft that pays ends the rests at once (``observe``)
+        self.pause = self.server_pause.get(reg, REST_MAX if reg in FRESH_RESTS else 0)
         if reg in REST_REGIMES and self.pause >= REST_MAX and not self._trained_copies_pay():
             self.rest = REST_MAX
 
@@ -441,6 +451,8 @@ class Auto(DrafterBase):
             if parents is None:  # a chain: trim to the best length
                 self.proposals[key] = tokens
                 g, k = best_length(est, len(tokens), self.cost, self._draft_overhead())
+                if name == winner:  # a copy going on: at least twice the draft it took whole
+                    k = max(k, min(len(tokens), 2 * self.won))
                 if g > best_g:
                     best_key, best_draft, best_g = key, (tokens, None, match_len, k), g
             else:
@@ -504,7 +516,7 @@ class Auto(DrafterBase):
                     > self.cost(1 + rows) + seconds + self._draft_overhead()):
                 self.pause = self.server_pause[self.reg] = 0
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
-                self.winner = key[0]
+                self.winner, self.won = key[0], depth
         # the cheap chains not sent are judged against the tokens the pass did emit, so a
         # drafter auto passed over is still measured (else its estimate would stay at the
         # prior and it would never be picked again)

@@ -238,6 +238,8 @@ class Drafter(Protocol):
     - ``warm_up(cache, compile=True) -> seconds``: build the drafter's own compiled graphs,
       after the target's (EAGLE's draft step); ``compile=False`` only loads saved ones;
     - ``close(ctx)``: the sequence ended (suffix decoding adds the response to its tree);
+      the engine calls it after the request's end was sent, at its next iteration's
+      start, before it admits anything waiting; the KV slot is not yet reused then;
     - ``idle_method``: the method a pass the engine runs without consulting the drafter
       belongs to (``auto``'s undrafted passes are ``none``'s); None: the drafter's own.
     """

@@ -168,6 +168,9 @@ class Engine:
         self.waiting: deque[Handle] = deque()
         self.running: list[Handle] = []
         self._outbox: list[tuple[Handle, Event]] = []  # this iteration's step events
+        # finished sequences whose drafters are closed at the next iteration's start, after
+        # their last outputs went out (``Sequence.close``)
+        self._closing: list[Sequence] = []
         self._ids = itertools.count(1)
         self._cv = threading.Condition()
         self._accepting = True
@@ -365,19 +368,19 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------------------
     @property
     def busy(self) -> bool:
-        """Sequences running or waiting: ``run_once`` has work."""
-        return bool(self.running or self.waiting)
+        """Sequences running or waiting, or finished ones to close: ``run_once`` has work."""
+        return bool(self.running or self.waiting or self._closing)
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stop and not self.running and not self.waiting:
+                while not self._stop and not self.busy:
                     if self.idle_work():
                         break
                     self._cv.wait(IDLE_POLL_S)
-                if self._stop and not self.running and not self.waiting:
+                if self._stop and not self.busy:
                     return
-                idle = not self.running and not self.waiting
+                idle = not self.busy
             if idle:
                 self.idle()
             else:
@@ -443,8 +446,13 @@ class Engine:
     def run_once(self) -> None:
         """One iteration: admit what fits, run one target pass per model over its running
         sequences (a lone sequence takes the single-sequence path), deliver the
-        iteration's step events, then free finished and cancelled sequences."""
+        iteration's step events, then free finished and cancelled sequences. It starts
+        with the drafters' close hooks of the sequences the last one finished, whose
+        outputs have gone out since."""
         self._iterating = threading.get_ident()
+        closing, self._closing = self._closing, []
+        for seq in closing:
+            seq.close()
         with self._cv:
             self._reap()
             self._admit()
@@ -514,13 +522,15 @@ class Engine:
         # a chain drafter never sends more than its num_speculative_tokens: the batch's
         # plan prices no longer draft for it
         longest = getattr(req.params, "num_speculative_tokens", None)
-        return Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
-                        req.sampling, stops, req.method,
-                        max_draft=min(Sequence.max_draft, longest or Sequence.max_draft),
-                        logprobs=req.logprobs,
-                        prompt_logprobs=req.prompt_logprobs,
-                        pass_cost=self._pass_cost(req.model, slot),
-                        prefix_cache=self.prefix_caches.get(req.model))
+        seq = Sequence(model, self.caches[req.model], slot, req.prompt, drafter, req.max_tokens,
+                       req.sampling, stops, req.method,
+                       max_draft=min(Sequence.max_draft, longest or Sequence.max_draft),
+                       logprobs=req.logprobs,
+                       prompt_logprobs=req.prompt_logprobs,
+                       pass_cost=self._pass_cost(req.model, slot),
+                       prefix_cache=self.prefix_caches.get(req.model))
+        seq.defer_close = True  # closed after its last outputs (``run_once``)
+        return seq
 
     def _step(self, handle: Handle) -> None:
         seq = handle.sequence
@@ -640,6 +650,7 @@ class Engine:
             if seq.done:
                 self.free_slots[handle.request.model].append(seq.slot)
                 self._finish(handle, seq.finish_reason)
+                self._closing.append(seq)
             else:
                 keep.append(handle)
         self.running = keep

@@ -124,6 +124,10 @@ class Sequence:
         self._reused = 0.0  # early exit's last pass: the share of layers it reused
         self.asked = False  # the last ``propose`` asked the drafter
         self._idle_draft: Draft | None = None  # what a step the drafter is not asked sends
+        # the owner closes the drafter itself once the last outputs are out (``close``);
+        # else ``finish`` does
+        self.defer_close = False
+        self._closed = False
 
     def _draw(self, logits: Tensor, pos: int) -> int:
         return race_rows(logits[None], self.sampling, self.noise, [pos])[0]
@@ -359,13 +363,24 @@ class Sequence:
                                   self.logprobs or 0)
 
     def finish(self, reason: str) -> None:
-        """End the sequence (a stop, a limit, or ``"cancelled"``); the drafter hears of it."""
+        """End the sequence (a stop, a limit, or ``"cancelled"``); the drafter hears of it
+        now, or, with ``defer_close``, when the owner calls ``close``."""
         if self.finish_reason is None:
             self.finish_reason = reason
-            try:
-                close_drafter(self.drafter, self.ctx)
-            except Exception:
-                self._drafter_error(self.method)
+            if not self.defer_close:
+                self.close()
+
+    def close(self) -> None:
+        """The drafter's close hook (suffix decoding's store takes the response), once,
+        after ``finish``. With ``defer_close`` the owner calls it after the request's last
+        outputs are out: what the hook does is for later requests, not for this one."""
+        if self._closed or self.finish_reason is None:
+            return
+        self._closed = True
+        try:
+            close_drafter(self.drafter, self.ctx)
+        except Exception:
+            self._drafter_error(self.method)
 
     def step(self) -> StepResult:
         if not self.prefilled:

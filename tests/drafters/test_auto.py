@@ -154,6 +154,26 @@ def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
     assert sorted(asked) == ["prompt_lookup", "suffix"]
 
 
+def test_a_copy_accepted_whole_is_drafted_at_least_twice_as_long_next(monkeypatch):
+    """Where the belief would trim the chain (a fresh request's few counts), a cheap
+    drafter whose draft was just accepted whole sends at least twice that draft's length
+    at its next step -- as much as its match gives; without a win the trim stands."""
+    from nodraft.drafters import auto as auto_module
+
+    cost = auto_module.PassCost({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.5, 9: 2.5, 17: 4.5})
+    monkeypatch.setattr(auto_module, "pass_cost", lambda env, ctx=None: cost)
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    lengths = {}
+    for won in (False, True):
+        auto = Auto(p, drafter_env(MODEL))
+        for m in range(1, 9):  # about even odds a token: drafts of a few tokens at most
+            auto.est[("prompt_lookup", m, "greedy")] = Acceptance(2.0, 2.0)
+        auto.winner, auto.won = ("prompt_lookup", 3) if won else (None, 0)
+        lengths[won] = len(auto.propose(ctx, 12))
+    assert lengths[False] < 6 and lengths[True] == 6
+
+
 def _ctx(tokens: list[int]):
     from nodraft.drafters.base import DraftContext
     from nodraft.micro.model import KVCache
@@ -181,14 +201,18 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
-def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
+@pytest.mark.parametrize("fresh", [False, True])
+def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
     """Sampled, after an asked step with nothing to send auto does not ask at the next
-    step, nor at the next 2, 4, 8, 16 and then 32 while asked steps stay empty; greedy it
-    asks at every step."""
+    step, nor at the next 2, 4, 8, 16 and then 32 while asked steps stay empty -- on a
+    fresh server it starts at the longest rest above temperature 0.85; greedy it asks at
+    every step."""
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
-    auto = Auto(p, drafter_env(MODEL))
+    # not fresh: a server where a draft paid at the last step it asked in either regime
+    shared = {} if fresh else {"auto_pause": {"t<=0.85": 0, "t>0.85": 0}}
+    auto = Auto(p, drafter_env(MODEL, shared))
     asked = []
 
     def nothing(ctx, budget):
@@ -200,12 +224,13 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature):
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == 60 and not any(s.draft for s in steps)
     # the first step is the prompt's prefill (no draft), the last has no room for one
-    want = [1, 3, 6, 11, 20, 37] if temperature > 0 else list(range(1, 59))
+    want = ([REST_MAX + 1] if fresh and temperature > 0.85 else [1, 3, 6, 11, 20, 37]) \
+        if temperature > 0 else list(range(1, 59))
     assert [n - 19 for n in asked] == want
 
 
 def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays():
-    shared: dict = {}
+    shared: dict = {"auto_pause": {"t>0.85": 0}}  # a draft paid at the last step asked
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its 3-gram [3 7 2] matches
@@ -240,7 +265,7 @@ def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
     from nodraft.drafters.auto import COPIES_PAY
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
-    auto = Auto(p, drafter_env(MODEL))
+    auto = Auto(p, drafter_env(MODEL, {"auto_pause": {"t>0.85": 0}}))  # not a fresh server
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])  # nothing matches its last tokens
     ctx.temperature = 1.0
     assert not len(auto.propose(ctx, 8)) and auto.rest == 1
@@ -446,7 +471,7 @@ def test_a_request_on_a_server_whose_copies_pay_meets_them_from_its_start():
     key = ("prompt_lookup", 3, "t>0.85")
     for server, woken in ((Acceptance(30.0, 1.0), True), (Acceptance(3.0, 3.0), False)):
         shared["auto_alpha"] = {("prompt_lookup", 8, "t>0.85"): server}
-        shared.pop("auto_pause", None)
+        shared["auto_pause"] = {"t>0.85": 0}  # no rest yet, not a fresh server
         auto = Auto(p, env)
         auto.candidates()
         auto.est[key] = Acceptance(0.05, 40.0)  # this request: its 3-gram matches do not pay
@@ -549,7 +574,8 @@ def test_only_this_requests_candidates_beliefs_end_or_prevent_its_rests():
     candidates leave suffix decoding (or a trained drafter) out rests as if it had none
     of theirs -- no lookup in a store it never built, no drafter error."""
     shared: dict = {"auto_alpha": {("suffix", 2, "t>0.85"): Acceptance(30.0, 1.0),
-                                   ("eagle", 0, "t>0.85"): Acceptance(30.0, 1.0)}}
+                                   ("eagle", 0, "t>0.85"): Acceptance(30.0, 1.0)},
+                    "auto_pause": {"t>0.85": 0}}
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nodraft.drafters.base import Draft
+from nodraft.drafters.ngrams import SuffixIndex
 from nodraft.drafters.registry import Registry, SpeculationError
 from nodraft.engine.core import Engine, GenerationRequest, QueueFull
 from nodraft.engine.stats import SpecStats
@@ -547,3 +548,54 @@ def test_prompts_prefilled_in_a_packed_pass_get_their_first_token_from_it():
     for es, w in zip(events, want):
         assert [e.step.tokens for e in es if e.kind == "step"] == [w]
         assert es[-1].stats.target_passes == 1
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_drafter_is_closed_after_its_requests_end_is_reported(cancel):
+    """The engine runs a finished sequence's close hook (suffix decoding's store taking
+    the response) after the request's end is reported, at its next iteration: before the
+    next request is admitted, and when nothing else is running (a cancelled request too)."""
+    engine = float64_engine(max_running=1, max_waiting=4)
+    engine.start()
+    try:
+        store = engine.shared.setdefault(("suffix", "micro"), {}).setdefault(
+            "suffix_global", SuffixIndex())
+        stored_at_end, first_step, ended = [], threading.Event(), threading.Event()
+
+        def cb(ev):
+            if ev.kind == "step":
+                first_step.set()
+            elif ev.kind in ("finish", "error"):
+                stored_at_end.append(len(store.stored))
+                ended.set()
+
+        method, params = Registry().parse({"method": "suffix"})
+        h = engine.submit(GenerationRequest("micro", [3, 1, 4, 1, 5], 400 if cancel else 12,
+                                            method=method, params=params), cb)
+        if cancel:
+            assert first_step.wait(10)
+            engine.cancel(h)
+        assert ended.wait(10)
+        assert stored_at_end == [0]  # not yet when the end was reported
+        deadline = time.time() + 5
+        while (engine.busy or not store.stored) and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.busy and len(store.stored) == 1  # closed with nothing else to run
+        # a request waiting for the slot is admitted after the close: its drafter sees the
+        # response stored
+        stored_at_admit = []
+
+        def admitted(ev):
+            if ev.kind == "admit":
+                stored_at_admit.append(len(store.stored))
+            if ev.kind in ("finish", "error"):
+                ended.set()
+
+        ended.clear()
+        engine.submit(GenerationRequest("micro", [2, 7, 1], 6, method=method, params=params),
+                      lambda ev: None)
+        engine.submit(GenerationRequest("micro", [2, 7], 4, method=method, params=params),
+                      admitted)
+        assert ended.wait(10) and stored_at_admit == [2]
+    finally:
+        engine.stop()
