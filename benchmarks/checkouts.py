@@ -9,7 +9,8 @@ The project installs as the ``nodraft`` namespace (``nodraft.server`` is the rep
 answers for ``nodraft.*`` from ITS checkout whatever the working directory is, so running
 ``python -m nodraft...`` inside another checkout would run this one's code. The
 environment made here puts a folder first on ``PYTHONPATH`` whose ``nodraft/`` links to
-the other checkout's folders: imports find it before the editable finder is asked. It
+the other checkout's folders (removed when the process that made it exits): imports find
+it before the editable finder is asked. It
 also gives the checkout a ``TORCH_EXTENSIONS_DIR`` of its own (keyed by its path), so the
 two checkouts' builds of nodraft's kernels -- one extension name, two sources -- never
 share a build folder.
@@ -17,8 +18,10 @@ share a build folder.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,6 +34,7 @@ def checkout_env(checkout: str | os.PathLike, base: dict | None = None) -> dict:
     checkout = Path(checkout).resolve()
     shim = Path(tempfile.mkdtemp(prefix="nodraft-checkout-")) / "nodraft"
     shim.mkdir()
+    atexit.register(shutil.rmtree, shim.parent, ignore_errors=True)  # with this process
     for name in PACKAGES:
         if (checkout / name).is_dir():
             (shim / name).symlink_to(checkout / name)

@@ -22,6 +22,21 @@ os.environ.setdefault("NODRAFT_COMPILE", "false")
 # processes of their own, with their own settings.
 torch.set_num_threads(1)
 
+# With pytest-xdist (the README's test command runs one worker per core, ``--dist
+# loadgroup``), the tests that start servers, browsers and Prometheus -- and time what they
+# answer -- run in one worker, one after another, as they would alone; the in-process tests
+# (the invariants over tiny models, the compiled passes, training) share out over the others.
+PROCESS_DIRS = ("server", "deploy", "playground", "clients")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        parts = Path(str(item.path)).relative_to(root).parts
+        if parts and parts[0] in PROCESS_DIRS:
+            item.add_marker(pytest.mark.xdist_group("processes"))
+
+
 TINY = MicroConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=64, max_positions=128)
 
 

@@ -100,11 +100,16 @@ def test_auto_keeps_up_only_the_candidates_with_per_step_state():
     assert auto.observers == ["eagle"]
 
 
-def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
+def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see(monkeypatch):
     """A trained candidate first drafts at a later step: EAGLE, built then, reads the
     positions it never observed, and the output is still plain decoding's."""
+    from nodraft.drafters import auto as auto_module
     from nodraft.engine.sequence import Sequence
     from nodraft.micro.model import KVCache
+
+    # prices that do not depend on how busy the machine was when a table was timed
+    cost = auto_module.PassCost({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.5, 9: 2.5, 17: 4.5})
+    monkeypatch.setattr(auto_module, "pass_cost", lambda env, ctx=None: cost)
 
     prompt = list(range(3, 40))
     want, _, _ = generate(MODEL, prompt, 24)
@@ -329,7 +334,7 @@ def test_acceptance_learned_by_one_request_informs_the_next():
     assert learned.accepted > 1.0
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
-    assert auto._estimate(("prompt_lookup", 3, "greedy")).alpha == learned.alpha
+    assert auto._estimate(("prompt_lookup", 3, "greedy")).alpha == pytest.approx(learned.alpha)
     # a match length the server has not seen starts from a weight-2 belief centred on what
     # it counted of this drafter's shorter matches in this regime
     seen = [b for (n, m, r), b in shared["auto_alpha"].items()
@@ -440,6 +445,31 @@ def test_pass_cost_interpolates_its_measured_table():
     assert cost(0) == 1.0 and cost(8) == pytest.approx(9.0)  # the last slope goes on
 
 
+def test_pass_cost_times_longer_contexts_where_the_slot_has_room():
+    """Past the table's start, passes of one row and of the most rows are timed at
+    ``CONTEXTS`` more cached rows (those that fit), in the request's slot, and what they
+    add is never negative nor less at a longer context; the committed rows stay as they
+    were."""
+    from nodraft.drafters.auto import ROWS, pass_cost
+    from nodraft.drafters.base import DraftContext
+    from nodraft.drafters.costs import CONTEXTS
+    from nodraft.micro.model import KVCache, MicroConfig
+
+    model = tiny_model(seed=4, config=MicroConfig(vocab_size=64, dim=32, n_layers=4,
+                                                  n_heads=2, ffn_dim=64, max_positions=600))
+    cache = KVCache(model.config, 1, dtype=torch.float64)
+    cache.set_length(0, 40)
+    before = cache.k[:, 0, :, :40].clone()
+    cost = pass_cost(drafter_env(model), DraftContext([1] * 41, 41, model, cache, 0))
+    assert cost.start == 40
+    assert cost.contexts == [40] + [40 + c for c in CONTEXTS if 40 + c + ROWS[-1] <= 600]
+    assert len(cost.contexts) == 4  # 136, 264, 520: the last does not fit
+    for a, b in zip(cost.extra, cost.extra[1:]):
+        assert 0 <= a[0] <= b[0] and 0 <= a[1] <= b[1]
+    assert cost.at(500)(5) >= cost.at(100)(5) >= cost(5)
+    assert cache.lengths == [40] and torch.equal(cache.k[:, 0, :, :40], before)
+
+
 def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
     from nodraft.drafters.auto import ROWS, _COSTS, pass_cost
     from nodraft.drafters.base import DraftContext
@@ -497,12 +527,13 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     auto.est[("prompt_lookup", 3, "greedy")] = Acceptance(0.05, 40.0)  # nothing pays
     assert not len(auto.propose(ctx, 8))
     auto.observe(ctx, [])
-    assert auto._timing == (1, False)  # an asked step without a draft: timed
+    # an asked step without a draft: timed, with the rows its pass read
+    assert auto._timing == (1, False, ctx.cache.lengths[ctx.slot])
     auto._timing = None
 
     def timed(kind_rows: int, drafted: bool, extra: float) -> None:
-        auto._timing = (kind_rows, drafted)
-        ctx.step_seconds = auto.cost(kind_rows) + extra
+        auto._timing = (kind_rows, drafted, 0)
+        ctx.step_seconds = auto.cost(kind_rows, 0) + extra
         auto._learn_overhead(ctx)
 
     for i in range(OVERHEAD_MIN_STEPS):

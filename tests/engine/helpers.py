@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 import threading
 from importlib import import_module
@@ -44,6 +46,7 @@ TRAINED: dict[str, str] = {"medusa": "nodraft.drafters.medusa:write_untrained"}
 TRAINED["eagle"] = "nodraft.drafters.eagle:write_untrained"
 TRAINED["draft-vocab"] = "nodraft.drafters.draft_vocab:write_untrained"  # early exit's
 HEADS_DIR = Path(tempfile.mkdtemp(prefix="nodraft-test-heads-"))
+atexit.register(shutil.rmtree, HEADS_DIR, ignore_errors=True)
 
 
 def drafter_env(model: Micro, shared: dict | None = None, model_name: str | None = None) -> DrafterEnv:
