@@ -5,12 +5,11 @@ Goodput is tokens per second, by the one model the engine's batching scheduler u
 expected tokens of a draft under it (``Acceptance.tokens``: while the belief is wide a
 long draft is worth more than at its mean, so a fresh server does not trim its first long
 matches to a few tokens while it learns), and the seconds of the pass that verifies it
-at the request's context, from the table measured on this machine
-(``drafters.costs.PassCost``), plus the drafter's own measured time plus what a drafted
-step costs besides its pass, more than an asked step without a draft
-(``_draft_overhead``: the draft's tensor, verification's and the commit's work on its rows
--- measured on this server's lone steps, the median over recent ones,
-``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). The candidates, and the
+from the table measured on this machine (``drafters.costs.PassCost``) plus the drafter's
+own measured time plus what a drafted step costs besides its pass, more than an asked
+step without a draft (``_draft_overhead``: the draft's tensor, verification's and the
+commit's work on its rows -- measured on this server's lone steps, the median over recent
+ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). The candidates, and the
 signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
@@ -64,12 +63,10 @@ pulled back towards the server-wide one, so a text that turns repetitive is noti
 drafters share one index of the request's tokens (``drafters.ngrams.request_index``).
 
 Pass time as a function of rows is a table (``PassCost``: passes of 1, 2, 3, 5, 9 and 17
-rows, interpolated), with what a longer context adds (passes of 1 and 17 rows timed past
-more cached rows; a step is priced at its request's context, ``PassCost.at``), measured
-once per model -- by an idle engine, else at the first ``auto`` step, in that request's
-own KV slot past its committed rows -- and again when the model's compiled graphs change:
-the same machine's numbers and the same graphs, not a FLOP model, corrected by what the
-passes requests run take (``PassCost.observe``).
+rows, interpolated), measured once per model at the first ``auto`` step (in that
+request's own KV slot, past its committed rows; a few milliseconds) and again when the
+model's compiled graphs change -- the same machine's numbers and the same graphs, not a
+FLOP model -- and corrected by what the passes requests run take (``PassCost.observe``).
 Drafting times are measured as auto runs.
 
 The figures of each step are attributed to the drafter that proposed (``Draft.method``);
@@ -141,8 +138,8 @@ def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
         start = max(ctx.cache.lengths[ctx.slot], costs.CONTEXT)
         if start + ROWS[-1] <= ctx.cache.max_len:
             return costs.measure(model, ctx.cache, ctx.slot, start)
-    cache = KVCache(model.config, 1, max_len=min(
-        model.config.max_positions, costs.CONTEXT + costs.CONTEXTS[-1] + ROWS[-1]), dtype=dtype)
+    cache = KVCache(model.config, 1, max_len=min(model.config.max_positions,
+                                                 costs.CONTEXT + ROWS[-1]), dtype=dtype)
     return costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
 
 
@@ -178,8 +175,6 @@ class Auto(DrafterBase):
         self._built = False
         self.env = env
         self.cost: PassCost | None = None  # measured at the first propose
-        self.price = None  # ``cost.at`` this step's context: a pass's seconds by its rows
-        self.context = 0  # the cached rows this step's pass runs past
         # server-wide acceptance per (drafter, match length), and drafting seconds
         self.global_est: dict[tuple, Acceptance] = env.shared.setdefault("auto_alpha", {})
         self.draft_seconds: dict[str, float] = env.shared.setdefault("auto_draft_seconds", {})
@@ -206,8 +201,7 @@ class Auto(DrafterBase):
         self._overhead: float | None = None  # ``_draft_overhead``, until a step is timed
         self._asked = False  # this step asked the candidates
         self._first = False  # this step is the first asked
-        # the last step's (rows, drafted, cached rows)
-        self._timing: tuple[int, bool, int] | None = None
+        self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
@@ -332,7 +326,7 @@ class Auto(DrafterBase):
         return draft
 
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
-        return tokens / (self.price(1 + rows) + seconds + self._draft_overhead())
+        return tokens / (self.cost(1 + rows) + seconds + self._draft_overhead())
 
     def _learn_overhead(self, ctx: DraftContext) -> None:
         """The last step's time beyond its pass (``ctx.step_seconds`` less the pass-cost
@@ -341,10 +335,10 @@ class Auto(DrafterBase):
         seconds = ctx.step_seconds
         if timing is None or seconds is None or self.cost is None:
             return
-        rows, drafted, context = timing
+        rows, drafted = timing
         key = "drafted" if drafted else "asked"
         self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
-            seconds - self.cost(rows, context))
+            seconds - self.cost(rows))
         self._overhead = None
 
     def _draft_overhead(self) -> float:
@@ -439,12 +433,10 @@ class Auto(DrafterBase):
         self._asked = True
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
-        self.context = ctx.cache.lengths[ctx.slot]
-        self.price = self.cost.at(self.context)
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
         reg = self.reg
-        best_key, best_draft, best_g = None, None, 1.0 / self.price(1)  # none
+        best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
         self.proposals = {}
         winner, self.winner = self.winner, None
         cheap = self.cheap if winner is None else (winner,)
@@ -458,7 +450,7 @@ class Auto(DrafterBase):
             est = self._estimate(key)
             if parents is None:  # a chain: trim to the best length
                 self.proposals[key] = tokens
-                g, k = best_length(est, len(tokens), self.price, self._draft_overhead())
+                g, k = best_length(est, len(tokens), self.cost, self._draft_overhead())
                 if name == winner:  # a copy going on: at least twice the draft it took whole
                     k = max(k, min(len(tokens), 2 * self.won))
                 if g > best_g:
@@ -475,7 +467,7 @@ class Auto(DrafterBase):
             # not yet measured on this server: assume a draft step costs one target pass
             # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's full-vocabulary
             # tree 0.7), so it is tried only when that would still pay
-            seconds = self.draft_seconds.get(name, self.price(1))
+            seconds = self.draft_seconds.get(name, self.cost(1))
             p = self.trained_params[name][1]  # EAGLE: depth, total_tokens; Medusa: num_heads
             depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
             rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))
@@ -512,17 +504,16 @@ class Auto(DrafterBase):
         if self._first:  # the first asked step indexed the prompt: not a step's cost
             self._timing, self._first = None, False
         elif self.last is None:  # an asked step without a draft is timed
-            self._timing = (1, False, self.context)
+            self._timing = (1, False)
         else:  # a trained drafter's draft is timed apart (``draft_seconds``)
-            self._timing = ((1 + self.last[2], True, self.context) if self.last[0][0] in CHEAP
-                            else None)
+            self._timing = (1 + self.last[2], True) if self.last[0][0] in CHEAP else None
         if self.last is not None:
             key, depth, rows = self.last
             self._observe(key, depth, len(accepted))
             # a draft that paid for its step starts the rests over, the server's too
             seconds = 0.0 if key[0] in CHEAP else self.draft_seconds.get(key[0], 0.0)
-            if (self.price is not None and (1 + len(accepted)) * self.price(1)
-                    > self.price(1 + rows) + seconds + self._draft_overhead()):
+            if (self.cost is not None and (1 + len(accepted)) * self.cost(1)
+                    > self.cost(1 + rows) + seconds + self._draft_overhead()):
                 self.pause = self.server_pause[self.reg] = 0
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
                 self.winner, self.won = key[0], depth

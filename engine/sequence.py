@@ -305,12 +305,11 @@ class Sequence:
         accepted = [dtok[i] for i in path]
         method = draft.method or self.method
         plain_s = verify_s = 0.0
-        if self.pass_cost is not None:  # priced past the rows the pass ran past
-            price = self.pass_cost.at(n)
-            plain_s = (len(accepted) + 1) * price(1)
-            verify_s = price(1 + len(draft) + draft.n_aux)
+        if self.pass_cost is not None:
+            plain_s = (len(accepted) + 1) * self.pass_cost(1)
+            verify_s = self.pass_cost(1 + len(draft) + draft.n_aux)
             if self._reused:  # early exit's own pass: its rows below the exit were reused
-                verify_s = (1 - self._reused) * verify_s + self._reused * price(1)
+                verify_s = (1 - self._reused) * verify_s + self._reused * self.pass_cost(1)
         self._reused = 0.0
         draft_s, self._draft_s = self._draft_s, 0.0
         for s in (self.stats, self._method_stats(method)):
@@ -388,11 +387,10 @@ class Sequence:
             return self._prefill_step()
         t_step = time.perf_counter()
         draft = self.propose()
-        n = self.cache.lengths[self.slot]
         t0 = time.perf_counter()
         logits, hidden = self.verify(draft)
         if self.pass_cost is not None and not self._reused:  # a whole pass: what it cost
-            self.pass_cost.observe(1 + len(draft) + draft.n_aux, time.perf_counter() - t0, n)
+            self.pass_cost.observe(1 + len(draft) + draft.n_aux, time.perf_counter() - t0)
         path, bonus = self._accept(logits, draft)
         result = self.commit(draft, path, bonus, hidden, logits)
         self.ctx.step_seconds = time.perf_counter() - t_step

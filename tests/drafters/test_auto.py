@@ -445,31 +445,6 @@ def test_pass_cost_interpolates_its_measured_table():
     assert cost(0) == 1.0 and cost(8) == pytest.approx(9.0)  # the last slope goes on
 
 
-def test_pass_cost_times_longer_contexts_where_the_slot_has_room():
-    """Past the table's start, passes of one row and of the most rows are timed at
-    ``CONTEXTS`` more cached rows (those that fit), in the request's slot, and what they
-    add is never negative nor less at a longer context; the committed rows stay as they
-    were."""
-    from nodraft.drafters.auto import ROWS, pass_cost
-    from nodraft.drafters.base import DraftContext
-    from nodraft.drafters.costs import CONTEXTS
-    from nodraft.micro.model import KVCache, MicroConfig
-
-    model = tiny_model(seed=4, config=MicroConfig(vocab_size=64, dim=32, n_layers=4,
-                                                  n_heads=2, ffn_dim=64, max_positions=600))
-    cache = KVCache(model.config, 1, dtype=torch.float64)
-    cache.set_length(0, 40)
-    before = cache.k[:, 0, :, :40].clone()
-    cost = pass_cost(drafter_env(model), DraftContext([1] * 41, 41, model, cache, 0))
-    assert cost.start == 40
-    assert cost.contexts == [40] + [40 + c for c in CONTEXTS if 40 + c + ROWS[-1] <= 600]
-    assert len(cost.contexts) == 4  # 136, 264, 520: the last does not fit
-    for a, b in zip(cost.extra, cost.extra[1:]):
-        assert 0 <= a[0] <= b[0] and 0 <= a[1] <= b[1]
-    assert cost.at(500)(5) >= cost.at(100)(5) >= cost(5)
-    assert cache.lengths == [40] and torch.equal(cache.k[:, 0, :, :40], before)
-
-
 def test_pass_cost_is_timed_in_the_requests_slot_without_committing_anything():
     from nodraft.drafters.auto import ROWS, _COSTS, pass_cost
     from nodraft.drafters.base import DraftContext
@@ -527,13 +502,12 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     auto.est[("prompt_lookup", 3, "greedy")] = Acceptance(0.05, 40.0)  # nothing pays
     assert not len(auto.propose(ctx, 8))
     auto.observe(ctx, [])
-    # an asked step without a draft: timed, with the rows its pass read
-    assert auto._timing == (1, False, ctx.cache.lengths[ctx.slot])
+    assert auto._timing == (1, False)  # an asked step without a draft: timed
     auto._timing = None
 
     def timed(kind_rows: int, drafted: bool, extra: float) -> None:
-        auto._timing = (kind_rows, drafted, 0)
-        ctx.step_seconds = auto.cost(kind_rows, 0) + extra
+        auto._timing = (kind_rows, drafted)
+        ctx.step_seconds = auto.cost(kind_rows) + extra
         auto._learn_overhead(ctx)
 
     for i in range(OVERHEAD_MIN_STEPS):

@@ -80,44 +80,12 @@ def test_pass_prices_learn_from_the_passes_requests_run():
     assert cost.one_scale == pytest.approx(before + LEARN * 2 * before)
 
 
-def test_a_pass_is_priced_by_the_context_it_reads():
-    """Past more cached rows than the table was timed at, a pass costs what the longer
-    context's reads add -- a one-row pass its own figure, each row of a longer pass the
-    per-row one -- interpolated between the contexts timed, their last rate held past
-    them; the scales learn from what is left."""
-    from nodraft.drafters.costs import LEARN, PassCost
-    cost = PassCost({1: 1e-3, 2: 1.2e-3, 3: 1.4e-3, 5: 1.8e-3, 9: 2.6e-3, 17: 4.2e-3},
-                    start=32, reads={128: (0.1e-3, 0.05e-3), 256: (0.3e-3, 0.1e-3)})
-    assert cost(1) == cost.at(32)(1) == cost.at(10)(1) == 1e-3  # at the table's start, below
-    assert cost.at(80)(1) == pytest.approx(1.05e-3)  # halfway to 128
-    assert cost.at(256)(5) == pytest.approx(1.8e-3 + 5 * 0.1e-3)
-    assert cost(5, 256) == cost.at(256)(5)
-    assert cost.at(384)(1) == pytest.approx(1e-3 + 0.5e-3)  # 128 rows past 256: its rate on
-    assert cost.at(384)(2) == pytest.approx(1.2e-3 + 2 * 0.15e-3)
-    cost.observe(1, 1.3e-3, 256)  # a pass that took its price teaches nothing
-    assert cost.one_scale == pytest.approx(1.0)
-    cost.observe(5, 2 * (1.8e-3 + 5 * 0.1e-3), 256)  # twice its price at its context
-    assert cost.rows_scale == pytest.approx(1 + LEARN)
-    assert cost.at(256)(3) == pytest.approx((1 + LEARN) * (1.4e-3 + 3 * 0.1e-3))
-    assert cost.at(256)(2) >= cost.at(256)(1)
-
-
-def test_what_a_longer_context_adds_never_falls_with_it():
-    """The figures timed past longer contexts, made non-decreasing and non-negative by
-    pooling a figure out of order with its neighbours (one slow run at a short context is
-    not carried to every longer one)."""
-    from nodraft.drafters.costs import _rising
-    assert _rising([26.0, 26.0, 69.0, 197.0]) == [26.0, 26.0, 69.0, 197.0]
-    assert _rising([180.0, 20.0, 40.0, 240.0]) == pytest.approx([80.0, 80.0, 80.0, 240.0])
-    assert _rising([-5.0, 3.0, 2.0]) == pytest.approx([0.0, 2.5, 2.5])
-
-
 def test_a_sequence_teaches_its_prices_with_whole_passes_only():
     from nodraft.drafters.costs import PassCost
 
     class Recording(PassCost):
-        def observe(self, rows, seconds, context=None):
-            seen.append((rows, seconds, context))
+        def observe(self, rows, seconds):
+            seen.append((rows, seconds))
 
     reg = Registry()
     for method, params, whole in (("prompt_lookup", {}, True),
@@ -135,13 +103,10 @@ def test_a_sequence_teaches_its_prices_with_whole_passes_only():
                 steps.append(seq.step())
         # the first step is the prompt's prefill, which prices no verification block
         drafted = [1 + len(r.draft) for r in steps[1:]]
-        # each pass past the rows cached before it: the prompt's, then what each step kept
-        cached = [24 + sum(len(r.tokens) for r in steps[1:i]) for i in range(1, len(steps))]
         if whole:  # every pass, by its rows
-            assert [rows for rows, _, _ in seen] == drafted and all(t > 0 for _, t, _ in seen)
-            assert [c for _, _, c in seen] == cached
+            assert [rows for rows, _ in seen] == drafted and all(t > 0 for _, t in seen)
         else:  # early exit's reusing passes skip its draft's lower layers: not a whole pass's
-            assert [rows for rows, _, _ in seen] == [d for d in drafted if d == 1]
+            assert [rows for rows, _ in seen] == [d for d in drafted if d == 1]
 
 
 def test_early_exit_cost_is_counted():
@@ -153,16 +118,14 @@ def test_early_exit_cost_is_counted():
 
 def test_measured_cost_figures_price_each_pass_by_its_rows():
     """plain seconds: (accepted + 1) one-row passes a pass; verify seconds: the table's
-    price of a pass of that many rows past the rows it read; draft seconds: the drafter's
-    timed work."""
+    price of a pass of that many rows; draft seconds: the drafter's timed work."""
     from nodraft.drafters.costs import PassCost
 
     class Fixed(PassCost):  # prices that do not learn from the passes run (below)
-        def observe(self, rows, seconds, context=None):
+        def observe(self, rows, seconds):
             pass
 
-    table = Fixed({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3}, start=24,
-                  reads={40: (0.2e-3, 0.1e-3)})
+    table = Fixed({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
     prompt = [1, 2, 3, 4] * 6
     cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
     reg = Registry()
@@ -177,16 +140,12 @@ def test_measured_cost_figures_price_each_pass_by_its_rows():
             while not seq.done:
                 steps.append(seq.step())
         s = seq.stats
-        # each step priced past the rows cached before it: the prompt's but its last token
-        # (the first token's step commits that one), then what each step kept
-        price = [table.at(23 + sum(len(r.tokens) for r in steps[:i])) for i in range(len(steps))]
-        assert s.plain_seconds == pytest.approx(sum(
-            (r.accepted + 1) * p(1) for r, p in zip(steps, price)))
+        assert s.plain_seconds == pytest.approx(sum((r.accepted + 1) * 1e-3 for r in steps))
         # early exit's pass that reuses the rows below its exit: E/L of it priced at 1 row
         reused = params.get("exit_layer", 0) / L if params.get("reuse_kv") else 0
         assert s.verify_seconds == pytest.approx(sum(
-            (1 - reused) * p(1 + len(r.draft)) + reused * p(1) if r.draft
-            else p(1) for r, p in zip(steps, price)))
+            (1 - reused) * table(1 + len(r.draft)) + reused * table(1) if r.draft
+            else table(1) for r in steps))
         assert s.draft_seconds == pytest.approx(sum(r.draft_seconds for r in steps))
         assert s.measured_cost_speedup == pytest.approx(
             s.plain_seconds / (s.verify_seconds + s.draft_seconds))
