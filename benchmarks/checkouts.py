@@ -10,10 +10,9 @@ answers for ``nodraft.*`` from ITS checkout whatever the working directory is, s
 ``python -m nodraft...`` inside another checkout would run this one's code. The
 environment made here puts a folder first on ``PYTHONPATH`` whose ``nodraft/`` links to
 the other checkout's folders (removed when the process that made it exits): imports find
-it before the editable finder is asked. It
-also gives the checkout a ``TORCH_EXTENSIONS_DIR`` of its own (keyed by its path), so the
-two checkouts' builds of nodraft's kernels -- one extension name, two sources -- never
-share a build folder.
+it before the editable finder is asked. It also gives the checkout a
+``TORCH_EXTENSIONS_DIR`` of its own (keyed by its path), so the two checkouts' builds of
+nodraft's kernels -- one extension name, two sources -- never share a build folder.
 """
 
 from __future__ import annotations
