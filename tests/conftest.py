@@ -31,9 +31,8 @@ PROCESS_DIRS = ("server", "deploy", "playground", "clients")
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
-    for item in items:
-        parts = Path(str(item.path)).relative_to(root).parts
-        if parts and parts[0] in PROCESS_DIRS:
+    for item in items:  # the session's items: a path named beside tests/ is left alone
+        if item.path.is_relative_to(root) and item.path.relative_to(root).parts[0] in PROCESS_DIRS:
             item.add_marker(pytest.mark.xdist_group("processes"))
 
 
