@@ -1,7 +1,8 @@
 """What EAGLE could reach under sampling on this machine: its measured acceptance by draft
 position, divided by the measured cost of the passes that verify it.
 
-    python benchmarks/eagle_ceiling.py [--models micro,micro-layerskip] [--temperature 0.8]
+    python benchmarks/eagle_ceiling.py [--models micro,micro-layerskip] [--checkpoints DIR]
+                                       [--temperature 0.8]
                                        [--top-p 0.95] [--seeds 5] [--tokens 128]
                                        [--category code] [--prompts 2] [--depth 6]
                                        [--out FILE.json]
@@ -25,7 +26,15 @@ which is checked), and
   levels]). These leave out what a step costs besides its pass and draft (sampling,
   commit), which a drafted step has more of: they are ceilings;
 - the first-position acceptance a one-token draft would need for ``--target`` with a free
-  draft step: (1 + P) / pass(2) = target.
+  draft step: (1 + P) / pass(2) = target;
+- the same ceilings for an **oracle** top-1 chain, the target's own most likely token at
+  each position (what a perfect head drafting its argmax would propose): under seeded
+  sampling a draft token is kept exactly when it equals the token ``none`` samples there,
+  so its ``P(accepted >= j)`` is read off ``none``'s texts -- the share of its steps (each
+  step ending at the first position where the sampled token is not the target's argmax,
+  or after ``--depth`` drafted tokens) with at least j kept. No head that drafts its top-1
+  choice, however trained, keeps more; a head whose draft is drawn from a distribution
+  (coupled to the request's noise) is not bounded by it.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
@@ -38,6 +47,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,9 +72,33 @@ def ceilings(p_at_least: list[float], pass_rows, level: float) -> list[dict]:
     return out
 
 
+def oracle_hits(model, prompt: list[int], tokens: list[int], depth: int
+                ) -> tuple[list[int], int]:
+    """Steps of an oracle top-1 chain of ``depth`` over ``none``'s sampled ``tokens``:
+    (steps with at least j draft tokens kept, for j = 1..depth; steps). A position's draft
+    is the target's argmax given the text so far (one eager forward over the whole text);
+    a step keeps its drafts while they equal the sampled tokens, then emits one more."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        top = model(ids)[0, len(prompt) - 1:-1].argmax(-1).tolist()
+    match = [a == b for a, b in zip(top, tokens)]
+    hits, steps, pos = [0] * depth, 0, 0
+    while pos < len(tokens):
+        kept = 0
+        while kept < depth and pos + kept < len(tokens) - 1 and match[pos + kept]:
+            kept += 1
+        for j in range(kept):
+            hits[j] += 1
+        steps += 1
+        pos += kept + 1
+    return hits, steps
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="micro,micro-layerskip")
+    p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR),
+                   help="where the models and their heads are")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seeds", type=int, default=5)
@@ -90,25 +124,30 @@ def main(argv: list[str] | None = None) -> None:
         return SamplingParams(args.temperature, args.top_p, seed=seed)
 
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        model = load_model(name, CHECKPOINT_DIR).compile(True)
+        model = load_model(name, Path(args.checkpoints)).compile(True)
         cache = KVCache(model.config, 1)
         table = costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
         one = table.table(1)
         pass_rows = lambda r: table.table(r) / one  # noqa: E731
         # compiled at its first use: EAGLE's draft step, untimed
-        decode(model, prompts[0]["ids"], 16, "eagle", chain, registry, {}, name, None,
+        heads = Path(args.checkpoints)
+        decode(model, prompts[0]["ids"], 16, "eagle", chain, registry, {}, name, heads,
                sampling(0))
         hits, steps, draft_s, ratios = [0] * depth, 0, 0.0, []
+        o_hits, o_steps = [0] * depth, 0
         for prompt in prompts:
             for k in range(args.seeds):
                 sp = sampling(1000 + k)
                 base = decode(model, prompt["ids"], args.tokens, "none", None, registry, None,
                               name, None, sp)
                 run = decode(model, prompt["ids"], args.tokens, "eagle", chain, registry, {},
-                             name, None, sp)
+                             name, heads, sp)
                 if run.tokens != base.tokens:
                     raise SystemExit(f"{name}: EAGLE changed the text (seed {sp.seed})")
                 s = run.stats
+                oh, os_ = oracle_hits(model, prompt["ids"], base.tokens, depth)
+                o_hits = [a + b for a, b in zip(o_hits, oh)]
+                o_steps += os_
                 for j, n in enumerate(s.accepted_by_position[:depth]):
                     hits[j] += n
                 steps += s.target_passes
@@ -118,7 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         level = draft_s / steps / depth / one
         rows = ceilings(p_at_least, pass_rows, level)
         need = args.target * pass_rows(2) - 1.0
+        o_p = [h / o_steps for h in o_hits]
+        o_rows = ceilings(o_p, pass_rows, level)
         results["models"][name] = {
+            "oracle": {"P(accepted >= j)": o_p, "by_depth": o_rows},
             "P(accepted >= j)": p_at_least, "tokens_per_pass": 1.0 + sum(p_at_least),
             "measured_speedup": statistics.median(ratios),
             "measured_speedup_range": [min(ratios), max(ratios)],
@@ -133,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  depth {r['depth']}: {r['tokens_per_pass']:.2f} tokens/pass, ceiling "
                   f"{r['free_draft']:.2f}x with a free draft, {r['measured_draft']:.2f}x "
                   "with its measured draft time")
+        print("  oracle top-1 chain: P(accepted >= j) " + " ".join(f"{x:.2f}" for x in o_p)
+              + "; ceilings with a free draft by depth "
+              + " ".join(f"{r['free_draft']:.2f}x" for r in o_rows))
         print(f"  {args.target}x with a free one-token draft needs first-token acceptance "
               f">= {need:.2f} (measured {p_at_least[0]:.2f})")
     if args.out:

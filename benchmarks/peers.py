@@ -34,7 +34,10 @@ taken within a round, reported as median and range:
    also asked for the whole response at once (not streamed: no per-token chunks for the
    client to read);
 2. **ttft**: time to first streamed token on the three servers, median of
-   ``--ttft-requests`` for a 4-token prompt and for prompts of 60-160 tokens;
+   ``--ttft-requests`` for a 4-token prompt and for prompts of 60-160 tokens, and beside
+   them the time of a ``GET /health`` on nodraft and llama-server, sent first in each
+   server's turn (no model in it: what the HTTP side alone costs each server, from the
+   same client, after the same idle);
 3. **drafters**: 1 stream on the workshop's two prompts (``clients.measure``: *fresh* and
    *repeating*), greedy and sampled (temperature 0.8, seeded): every nodraft drafter,
    served and in process, beside llama-server's n-gram speculation, llama-cpp-python's
@@ -556,10 +559,11 @@ def markdown(d: dict) -> str:
     if d.get("ttft_ms"):
         long = d.get("long_prompt_tokens") or []
         span = f"{min(long)}-{max(long)}" if long else "long"
-        out += ["", f"| server | 4-token prompt | {span}-token prompts |", "|---|---|---|"]
+        out += ["", f"| server | 4-token prompt | {span}-token prompts | `GET /health` |",
+                "|---|---|---|---|"]
         for server in ("nodraft", "llama-server", "llama-cpp-python-server"):
             cells = []
-            for label in ("short", "long"):
+            for label in ("short", "long", "health"):
                 v = d["ttft_ms"].get(f"{server}/{label}")
                 cells.append("--" if v is None else
                              f"{v['median']:.1f} ms ({v['min']:.1f}-{v['max']:.1f})")
@@ -835,6 +839,14 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
             short = [(tok.encode(SHORT_PROMPT), SHORT_PROMPT)]
             for i in range(args.ttft_requests):
                 for name in (servers if i % 2 == 0 else servers[::-1]):
+                    if name in ("nodraft", "llama-server"):  # first: after the other's turn,
+                        client = systems[name].client  # as the short prompt's request is
+                        t0 = time.perf_counter()
+                        r = await client.get("/health")
+                        if r.status_code == 200:
+                            ttft.setdefault(f"{name}/health", []).append(
+                                time.perf_counter() - t0)
+                        await asyncio.sleep(0.02)  # the server idle again, as between turns
                     for label, prompt in (("short", short), ("long", [longs[i % len(longs)]])):
                         first = (await one_retried(systems[name], "micro", *prompt[0], 4, 0.0,
                                                    0, "none"))[0]

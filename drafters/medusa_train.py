@@ -6,8 +6,9 @@ predict tokens 2..K+1 ahead from its final-layer residual stream.
 - rows of ``--seq-len`` + 1 tokens from the train split, ``--copy-frac`` of them copy rows
   (``micro.data.RowSampler``, as micro itself was trained), so the heads see the repeats
   the target learned to copy;
-- one frozen forward per batch (no_grad, bf16 autocast) gives every position's hidden
-  state h_j; head i is scored at every position j with token j + 2 + i in the row;
+- one frozen forward per batch (no_grad; bf16 autocast where the CPU computes bf16
+  natively, ``--precision``) gives every position's hidden state h_j; head i is scored
+  at every position j with token j + 2 + i in the row;
 - loss: the unweighted sum of the heads' cross-entropies; each head's backward runs right
   after its forward (the hidden states are detached), so only one head's (B, T, V) logits
   are alive at a time;
@@ -56,7 +57,7 @@ from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
 from nodraft.micro.greedy import GREEDY_PROMPT, greedy_rows, self_distill_rows
 from nodraft.micro.model import Micro
-from nodraft.micro.train import lr_at
+from nodraft.micro.train import add_precision, lr_at, use_bf16
 
 
 # -- held-out accuracy ------------------------------------------------------------------------
@@ -152,7 +153,8 @@ def train(args: argparse.Namespace, command: str) -> dict:
     sampler = RowSampler(train_ids, args.seq_len, args.copy_frac, random_frac=args.random_frac,
                          vocab=(len(tok.special_ids), c.vocab_size), seed=args.seed)
     opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
+    bf16 = use_bf16(args.precision)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     L, K, T = c.n_layers, args.heads, args.seq_len
 
     def step_loss(x: torch.Tensor) -> list[float]:
@@ -234,7 +236,8 @@ def train(args: argparse.Namespace, command: str) -> dict:
         "minutes": round(minutes, 1), "steps": step, "tokens": tokens,
         "num_heads": K, "seed": args.seed, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "copy_frac": args.copy_frac, "random_frac": args.random_frac,
-        "lr": args.lr, "bf16": args.bf16, "threads": torch.get_num_threads(),
+        "lr": args.lr, "bf16": bf16, "precision": "bf16" if bf16 else "fp32",
+        "threads": torch.get_num_threads(),
         "self_distill": args.self_distill, "distill_rows": args.distill_rows if n_distill else 0,
         "init": init_record,
         "heldout": heldout, "heldout_greedy": own,
@@ -271,7 +274,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out tokens measured at the end")
     p.add_argument("--val-tokens", type=int, default=8_192,
                    help="validation tokens measured during training")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in float32")
+    add_precision(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10)

@@ -8,7 +8,8 @@ Both recipes see the same data and the same wall-clock budget:
   (``micro.data``), which teach in-context copying;
 - AdamW (0.9, 0.95), weight decay 0.1, peak lr 2e-3, linear warm-up then cosine decay to
   10% over the *time* budget (the step count follows from the machine's speed and is
-  recorded), bf16 autocast, ``torch.compile`` when available;
+  recorded), bf16 autocast where the CPU computes bf16 natively (``--precision``), else
+  float32, ``torch.compile`` when available;
 - ``--layerskip`` adds the early-exit loss with the *rotational* curriculum (one early exit
   per step in turn, so a step costs about one extra head, not three) through the shared
   final norm and head, and per-sample layer dropout rising with depth,
@@ -43,6 +44,32 @@ def layer_drop_probs(n_layers: int, p_max: float) -> list[float]:
     return [p_max * (math.exp(l * math.log(2) / (n_layers - 1)) - 1) for l in range(n_layers)]
 
 
+def bf16_native() -> bool:
+    """Whether this CPU computes in bfloat16 itself (AVX-512 BF16 or AMX). Elsewhere
+    (AVX2) torch emulates bfloat16 products, and autocast to it made a training step ~9x
+    slower than float32 (docs/LOG.md, 2026-12-06)."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a torch without the probes: read the kernel's flags
+        try:
+            flags = open("/proc/cpuinfo").read()
+        except OSError:
+            return False
+        return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def use_bf16(precision: str) -> bool:
+    """``--precision``: "bf16", "fp32", or "auto" (bf16 where the CPU computes it natively,
+    ``bf16_native``)."""
+    return precision == "bf16" or (precision == "auto" and bf16_native())
+
+
+def add_precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="autocast to bfloat16 or train in float32; auto: bfloat16 where the "
+                        "CPU computes it natively (AVX-512 BF16, AMX), else float32")
+
+
 def lr_at(progress: float, peak: float, warmup: float = 0.02, floor: float = 0.1) -> float:
     if progress < warmup:
         return peak * progress / warmup
@@ -56,6 +83,7 @@ def train(args: argparse.Namespace, command: str = "nodraft train micro",
     if args.threads:
         torch.set_num_threads(args.threads)
     name = args.name or ("micro-layerskip" if args.layerskip else "micro")
+    bf16 = use_bf16(getattr(args, "precision", "auto"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / f"{name}.log", "w")
@@ -97,7 +125,7 @@ def train(args: argparse.Namespace, command: str = "nodraft train micro",
     def loss_fn(x: torch.Tensor, exit_layer: int, keep: list[torch.Tensor] | None):
         inp, tgt = x[:, :-1], x[:, 1:]
         pos = torch.arange(inp.shape[1]).expand_as(inp)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             h0 = model.embed(inp)
             if exit_layer:  # run [0, E), read the early exit, then continue [E, L)
                 hE = model.run_layers(h0, pos, 0, exit_layer, keep=keep)
@@ -162,7 +190,7 @@ def train(args: argparse.Namespace, command: str = "nodraft train micro",
         "copy_frac": args.copy_frac, "random_frac": args.random_frac, "lr": args.lr,
         "layer_dropout": args.layer_dropout if args.layerskip else 0.0,
         "exit_weight": args.exit_weight if args.layerskip else 0.0,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "precision": "bf16" if bf16 else "fp32",
         "val_loss": {str(k): round(v, 4) for k, v in val.items()},
         "history": history,
     }
@@ -195,6 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-dropout", type=float, default=0.1, help="p_max (LayerSkip)")
     p.add_argument("--exit-weight", type=float, default=0.5, help="early-exit loss weight")
     p.add_argument("--threads", type=int, default=0)
+    add_precision(p)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--out", default="runs")

@@ -97,18 +97,23 @@ class CompiledDraft:
 
     def step(self, h: Tensor, next_tokens: Tensor, st: "EagleState", a: int,
              depth: int, top_k: int, keep: int, inv_t: float, lazy: bool | None = None,
-             noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor | None] | None:
+             noise: Tensor | None = None, fuse: Tensor | None = None
+             ) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """Rows [a, a + T) of the draft cache from the target's pre-norm hidden rows h
         (T, dim) and the tokens after them, then the tree. Returns (draft token ids, parent
         indices, a chain's scaled draft logits (keep, N) or None for a tree) with the
         catch-up's keys and values written and ``st`` advanced; None when this shape is not
         compiled yet (the caller drafts eager). ``noise`` (>= min(keep, depth), N): a
-        chain's Gumbel noise per level, its first rows used (None: zeros, the argmax)."""
+        chain's Gumbel noise per level, its first rows used (None: zeros, the argmax).
+        ``fuse`` (T, fused·dim): a head with fused features, the fused layers' value rows
+        of the T rows (``LoadedHead.fuse_rows``); None for one without, and only then."""
         T = h.shape[0]
         # views into a longer tensor carry a storage offset, which dynamo guards on: inputs
         # start at offset 0 always, as the warm-up's do, so no request recompiles the graph
         h = h.clone() if h.storage_offset() else h
         next_tokens = next_tokens.clone() if next_tokens.storage_offset() else next_tokens
+        if (fuse is None) != (not self.loaded.fused):
+            raise ValueError("a fused term is given exactly for a head with fused features")
         shape = (depth, top_k, keep, T > 1, tuple(st.k.shape), h.dtype)
         fresh = shape not in self._ready
         if fresh and not (self.compiled.lazy if lazy is None else lazy):
@@ -122,6 +127,8 @@ class CompiledDraft:
             if T > 1:
                 for x, d in ((h, 0), (next_tokens, 0), (pos, 0), (mask, 0), (mask, 1)):
                     torch._dynamo.maybe_mark_dynamic(x, d)
+                if fuse is not None:
+                    torch._dynamo.maybe_mark_dynamic(fuse, 0)
         scale = self._inv_t.get((inv_t, h.dtype))
         if scale is None:
             scale = torch.tensor(inv_t, dtype=h.dtype)
@@ -136,6 +143,8 @@ class CompiledDraft:
                     noise = self._zeros[(levels, h.dtype)] = torch.zeros(
                         levels, self.loaded.w_draft_t.shape[1], dtype=h.dtype)
             args += (noise[:levels],)
+        if fuse is not None:
+            args += (fuse,)
         aot = self.precompiled.fns.get(shape)
         if aot is None and fresh and self.precompiled.export_to is not None:  # a build
             aot = self.precompiled.compile(
@@ -182,6 +191,7 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
     w = layer_weights(L.head.layer, wt, "")
     tok_proj, tok_proj_draft = L.tok_proj, L.tok_proj_draft
     w_feat_t, w_draft_t, vocab = L.w_feat_t, L.w_draft_t, L.head.draft_vocab
+    w_fuse_t = L.w_fuse_t
     N = w_draft_t.shape[1]
     k1 = min(top_k, N)
     # a chain's node feeds both its draft head and the next level's fc: one product for both
@@ -196,20 +206,23 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
     neg_inf = float("-inf")
 
     def catch_up(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor,
-                 v_past: Tensor, mask: Tensor | None):
-        """Rows (token_{t+1}, f_t) for the T new committed positions."""
+                 v_past: Tensor, mask: Tensor | None, fuse: Tensor | None):
+        """Rows (token_{t+1}, f_t) for the T new committed positions, and a fused head's
+        term from its layers' value rows ``fuse`` (T, fused·dim)."""
         f = F.rms_norm(h, norm.weight.shape, norm.weight, norm.eps)
         x = tok_proj[next_tokens] + mm(f, w_feat_t)
+        if fuse is not None:
+            x = x + mm(fuse, w_fuse_t)
         cos, sin = cos_t[pos][:, None, None], sin_t[pos][:, None, None]
         return attend_layer(x, cos, sin, k_past, v_past, mask, w, mm)
 
     def chain(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
-              mask: Tensor | None, inv_t: Tensor, noise: Tensor):
+              mask: Tensor | None, inv_t: Tensor, noise: Tensor, fuse: Tensor | None = None):
         """top_k = 1: each level's one node is the argmax of its draft logits over the
         temperature plus that level's row of ``noise`` (keep, N): zeros for the argmax
         (greedy, seeded), standard Gumbel noise for a draw from q; the kept nodes are the
         chain's first ``keep``, returned with each level's scaled logits (keep, N)."""
-        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
+        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask, fuse)
         T = h.shape[0]
         root = out[-1:]
         y = mm(root, w_next)  # the root's draft logits and the next level's feature half
@@ -232,8 +245,8 @@ def _make_draft_core(L: "LoadedHead", wt: dict[str, Tensor], mm, depth: int, top
                 torch.cat(scaled))
 
     def core(h: Tensor, next_tokens: Tensor, pos: Tensor, k_past: Tensor, v_past: Tensor,
-             mask: Tensor | None, inv_t: Tensor):
-        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask)
+             mask: Tensor | None, inv_t: Tensor, fuse: Tensor | None = None):
+        out, k_blk, v_blk = catch_up(h, next_tokens, pos, k_past, v_past, mask, fuse)
         T = h.shape[0]
         root = out[-1:]
         # level 1: the root's top_k children, the first frontier

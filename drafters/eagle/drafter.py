@@ -59,8 +59,8 @@ from torch import Tensor
 from nodraft.drafters.base import (Draft, DraftContext, DrafterBase, DrafterEnv, SpeculationError,
                                   loaded_weights)
 from nodraft.drafters.eagle.compiled import _COMPILED_DRAFTS, _COMPILED_DRAFTS_LOCK, CompiledDraft
-from nodraft.drafters.eagle.head import (EagleHead, features, forward_cost, load_head_state,
-                                         weights_path)
+from nodraft.drafters.eagle.head import (EagleHead, cached_values, features, forward_cost,
+                                         load_head_state, weights_path)
 from nodraft.micro.compiled import MIN_CONTEXT
 from nodraft.micro.model import Micro
 from nodraft.micro.ops import additive_mask
@@ -80,6 +80,21 @@ class LoadedHead:
     w_feat_t: Tensor  # (dim, dim) fc's feature half, transposed
     w_draft_t: Tensor  # (dim, N) the draft head (target embedding rows of the draft vocab)^T
     cost_per_forward: float
+    fused: tuple[int, ...] = ()  # the target layers whose value rows the head reads
+    w_fuse_t: Tensor | None = None  # (fused·dim, dim) their product, transposed
+
+    def fuse_rows(self, ctx: DraftContext, a: int, n: int) -> Tensor | None:
+        """The fused layers' value rows of committed positions [a, n) ((n - a,
+        fused·dim): ``head.cached_values``), or None for a head without fused features."""
+        if not self.fused:
+            return None
+        return cached_values(ctx.cache, ctx.slot, self.fused, a, n)
+
+    def fuse_term(self, ctx: DraftContext, a: int, n: int) -> Tensor | None:
+        """fuse(value rows of committed positions [a, n)): (n - a, dim), or None for a head
+        without fused features."""
+        rows = self.fuse_rows(ctx, a, n)
+        return None if rows is None else rows @ self.w_fuse_t
 
 
 def load_for(env: DrafterEnv) -> LoadedHead:
@@ -111,10 +126,12 @@ def _load(env: DrafterEnv, path: Path) -> LoadedHead:
         with torch.no_grad():
             w_tok, w_feat = head.fc.weight[:, :d], head.fc.weight[:, d:]
             tok_proj = (model.tok_embeddings.weight @ w_tok.T + head.fc.bias).contiguous()
+            fused = head.fused
             return LoadedHead(model, path, head, tok_proj,
                               tok_proj[head.draft_vocab].contiguous(), w_feat.T.contiguous(),
                               head.draft_weight(model).T.contiguous(),
-                              forward_cost(c, int(head.draft_vocab.numel())))
+                              forward_cost(c, int(head.draft_vocab.numel()), len(fused)),
+                              fused, head.fuse.weight.T.contiguous() if fused else None)
 
 
 @dataclass
@@ -225,6 +242,9 @@ class Eagle(DrafterBase):
         a, T = st.rows, n - st.rows
         L = self.loaded
         x = L.tok_proj[torch.tensor(ctx.tokens[a + 1:n + 1])] + features(m, h) @ L.w_feat_t
+        fuse = L.fuse_term(ctx, a, n)
+        if fuse is not None:
+            x = x + fuse
         if T == 1:  # one row: its position's rotation broadcasts
             cos, sin = m.rope_cos[a], m.rope_sin[a]
         else:
@@ -264,8 +284,11 @@ class Eagle(DrafterBase):
         dtype = self.loaded.w_draft_t.dtype
         start = 8
         for T in (1, 3):
+            fused = len(self.loaded.fused)
+            fuse = torch.zeros(T, fused * c.dim, dtype=dtype) if fused else None
             cd.step(torch.zeros(T, c.dim, dtype=dtype), torch.zeros(T, dtype=torch.long), st,
-                    start, p.depth, p.top_k, p.total_tokens - 1, 1.0, lazy=compile)
+                    start, p.depth, p.top_k, p.total_tokens - 1, 1.0, lazy=compile,
+                    fuse=fuse)
         return time.perf_counter() - t0
 
     # -- propose / observe --------------------------------------------------------------
@@ -297,7 +320,8 @@ class Eagle(DrafterBase):
                     h = h[split:]
                 a = st.rows
                 done = cd.step(h, torch.tensor(ctx.tokens[a + 1:n + 1]), st, a, p.depth,
-                               p.top_k, p.total_tokens - 1, inv_t, noise=noise)
+                               p.top_k, p.total_tokens - 1, inv_t, noise=noise,
+                               fuse=L.fuse_rows(ctx, a, n))
                 if done is not None:  # near the end of a request: its first ``budget`` nodes
                     tokens, parents, scaled = done
                     q = None if noise is None else self._q(scaled.softmax(-1))

@@ -12,16 +12,19 @@ from torch import Tensor
 
 from nodraft.drafters.base import DraftContext, DrafterEnv
 from nodraft.drafters.eagle.drafter import Eagle
-from nodraft.drafters.eagle.head import EagleHead, features, save_head, unroll
+from nodraft.drafters.eagle.head import EagleHead, features, save_head, unroll, values
 from nodraft.micro.model import Micro
 
 
 @torch.no_grad()
-def target_features(model: Micro, ids: Tensor) -> tuple[Tensor, Tensor]:
-    """(features f (B, T, dim), the final layer's residual stream h (B, T, dim)) of ids."""
+def target_features(model: Micro, ids: Tensor, fused: tuple[int, ...] = ()
+                    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(features f (B, T, dim), the final layer's residual stream h (B, T, dim), the value
+    rows of the ``fused`` layers (B, T, fused·dim; ``head.values``) or None) of ids."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    h = model.run_layers(model.embed(ids), pos, 0, model.config.n_layers)
-    return features(model, h), h
+    hidden: list[Tensor] = []
+    h = model.run_layers(model.embed(ids), pos, 0, model.config.n_layers, hidden=hidden)
+    return features(model, h), h, (values(model, hidden, fused) if fused else None)
 
 
 @torch.no_grad()
@@ -60,9 +63,10 @@ def evaluate_head(model: Micro, head_state: dict[str, Tensor], stream, depth: in
     W_draft = head.draft_weight(model)
     for b in range(0, windows, 16):
         x = rows[b:b + 16]
-        f, h = target_features(model, x)
+        f, h, vals = target_features(model, x, head.fused)
         greedy = model.head(h).argmax(-1)  # (B, T+1): the target's token after position t
-        outs = unroll(head, model, x[:, 1:], f[:, :-1], depth)
+        outs = unroll(head, model, x[:, 1:], f[:, :-1], depth,
+                      vals=None if vals is None else vals[:, :-1])
         want = greedy[:, 1:]  # row p predicts the token after position p + 1
         covered += int(torch.isin(want[:, first:], head.draft_vocab).sum())
         for j, out in enumerate(outs):

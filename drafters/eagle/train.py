@@ -1,7 +1,7 @@
 """``nodraft train eagle``: train the EAGLE head of a checkpoint (``drafters.eagle.head``).
 
     nodraft train eagle --model micro [--minutes 20 | --steps N] [--ttt-steps 2] [--threads 1]
-                        [--init micro --self-distill 0.5]
+                        [--fuse-layers auto | none | 1,2,3] [--init micro --self-distill 0.5]
 
 The target is frozen. Each step takes rows of ``--seq-len`` + 1 train-split tokens
 (``micro.data.RowSampler``, ``--copy-frac`` of them copy rows, as micro itself was trained),
@@ -9,7 +9,8 @@ runs the target over them once (no head) for its features f_t = norm(h_t) -- the
 hidden states, the tensor the drafter rebuilds at run time from ``ctx.last_hidden`` -- and
 trains the head on every position at once:
 
-    step 1:  f^ = head(token_{t+1}, f_t + U(-noise/2, noise/2))   (real features)
+    step 1:  f^ = head(token_{t+1}, f_t + U(-noise/2, noise/2)[, v_t])   (real features;
+             v_t: the value rows of the ``--fuse-layers``, EAGLE-3's fused features)
     step j:  f^ = head(token_{t+1}, step j-1's prediction of f_t)  (``--ttt-steps`` > 1:
              EAGLE-3's training-time test, the head fed its own features as when drafting
              a tree's deeper levels; attention as at run time, ``head.unroll``)
@@ -23,14 +24,16 @@ of train-split prompts (16-128 tokens, continued to ``--seq-len`` + 1; ``--disti
 rows generated once before training, batched, ``micro.greedy.greedy_continue``): at run
 time the head drafts on the target's greedy output, which for a small model loops and
 repeats in ways natural text does not. ``--init MODEL`` goes on from a trained head (its
-weights and draft vocabulary; the record nests that head's record as ``init``). The
-committed heads: a first stage on natural text, then ``--init <model> --self-distill 0.5
---lr 3e-3`` (docs/MICRO.md, "EAGLE heads").
+weights and draft vocabulary; the record nests that head's record as ``init``; fused
+features it lacks start at zero). The committed heads: a first stage on natural text, then
+``--init <model> --self-distill 0.5 --lr 3e-3`` (docs/MICRO.md, "EAGLE heads", which also
+has the fused heads trained on from them, measured and not kept).
 
 E_N is the target's tied embedding restricted to the draft vocabulary: the ``--draft-vocab``
 most frequent train-split tokens (both distributions over those N tokens; the target's is
 renormalised over them). AdamW (0.9, 0.95), linear warm-up then cosine decay to 10%
-(``micro.train.lr_at``) over the step or time budget, bf16 autocast, gradient clip 1.0.
+(``micro.train.lr_at``) over the step or time budget, bf16 autocast where the CPU computes
+bf16 natively (``--precision``; float32 elsewhere), gradient clip 1.0.
 
 The defaults were chosen by measurement (docs/MICRO.md, "EAGLE heads").
 
@@ -62,21 +65,22 @@ from nodraft.drafters.eagle.head import EagleHead, load_head_state, save_head, u
 from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 from nodraft.micro.data import RowSampler, token_stream
 from nodraft.micro.greedy import GREEDY_PROMPT, greedy_rows, self_distill_rows
-from nodraft.micro.train import lr_at
+from nodraft.micro.train import add_precision, lr_at, use_bf16
 
 
 def head_loss(head: EagleHead, model, x: torch.Tensor, ttt_steps: int, noise: float,
               w_draft: torch.Tensor, ce_weight: float = 0.1) -> tuple[torch.Tensor, list[float]]:
     """The weighted loss over unrolled steps, and each step's top-1 agreement with the
     target's most likely draft-vocabulary token (a cheap training-time figure)."""
-    f, _ = target_features(model, x)  # (B, T+1, dim), no grad
+    f, _, vals = target_features(model, x, head.fused)  # (B, T+1, dim), no grad
     f = f.float()
     inp_f, tgt_f = f[:, :-1], f[:, 1:]
     with torch.no_grad():
         tgt_logits = tgt_f @ w_draft.T
         tgt_p = tgt_logits.softmax(-1)
         tgt_top = tgt_logits.argmax(-1)
-    outs = unroll(head, model, x[:, 1:], inp_f, ttt_steps, noise=noise)
+    outs = unroll(head, model, x[:, 1:], inp_f, ttt_steps, noise=noise,
+                  vals=None if vals is None else vals[:, :-1].float())
     total = 0.0
     agree = []
     for j, out in enumerate(outs):
@@ -121,7 +125,10 @@ def train(args: argparse.Namespace, command: str) -> dict:
     else:
         vocab = draft_vocabulary(train_ids, args.draft_vocab, config.vocab_size)
         head = EagleHead(config, vocab)
-    head.train()
+    fuse = default_fuse_layers(config.n_layers) if args.fuse_layers == "auto" else args.fuse_layers
+    if fuse:  # EAGLE-3's fused features, at zero to start
+        head = head.with_fused(fuse)
+    head.train().requires_grad_(True)
     w_draft = model.tok_embeddings.weight[vocab].detach()
     sampler = RowSampler(train_ids, args.seq_len, args.copy_frac, random_frac=args.random_frac,
                          vocab=(len(tok.special_ids), config.vocab_size), seed=args.seed)
@@ -132,6 +139,7 @@ def train(args: argparse.Namespace, command: str) -> dict:
         pool = self_distill_rows(model, train_ids, args.distill_rows, args.seq_len, args.seed, say)
         pool_minutes = (time.time() - t_pool) / 60
     params = list(head.parameters())
+    bf16 = use_bf16(args.precision)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     say(f"command: {command}")
     say(f"head params {sum(p.numel() for p in params)} draft vocab {args.draft_vocab} "
@@ -155,7 +163,7 @@ def train(args: argparse.Namespace, command: str) -> dict:
         if n_distill:
             pick = torch.randint(0, len(pool), (n_distill,), generator=sampler.gen)
             x = torch.cat([x, pool[pick]])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             loss, agree = head_loss(head, model, x, args.ttt_steps, args.noise, w_draft,
                                     args.ce_weight)
         opt.zero_grad(set_to_none=True)
@@ -191,14 +199,15 @@ def train(args: argparse.Namespace, command: str) -> dict:
         "minutes": round(minutes, 1), "steps": step, "tokens": tokens, "seed": args.seed,
         "batch_size": args.batch_size, "seq_len": args.seq_len, "lr": args.lr,
         "draft_vocab": args.draft_vocab, "ttt_steps": args.ttt_steps, "noise": args.noise,
-        "ce_weight": args.ce_weight,
+        "ce_weight": args.ce_weight, "fuse_layers": list(head.fused),
         "copy_frac": args.copy_frac, "random_frac": args.random_frac,
         "self_distill": args.self_distill,
         "distill_rows": args.distill_rows if n_distill else 0,
         "distill_minutes": round(pool_minutes, 1) if n_distill else 0.0,
         "init": init_record,
-        "threads": torch.get_num_threads(),
-        "features": "final-normed hidden state (model.norm of the last layer's output)",
+        "threads": torch.get_num_threads(), "precision": "bf16" if bf16 else "fp32",
+        "features": "final-normed hidden state (model.norm of the last layer's output)"
+                    + (f"; value rows of target layers {list(head.fused)}" if head.fused else ""),
         "heldout": heldout, "heldout_greedy": own, "draft_step": timing, "history": history,
     }
     save_head(head, args.model, Path(args.save_to or checkpoints), record)
@@ -220,6 +229,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the N most frequent train-split tokens the draft head reads")
     p.add_argument("--ttt-steps", type=int, default=1,
                    help="unrolled steps fed their own features (EAGLE-3's training-time test)")
+    p.add_argument("--fuse-layers", type=_layers, default="none",
+                   help="EAGLE-3's fused features: the target layers (e.g. 1,2,3) whose "
+                        "value rows the head reads besides the top feature (added at zero "
+                        "to an --init head that lacks them); auto: low, middle and high "
+                        "(every layer but the first for micro's four); none (the default: "
+                        "on micro they cost more time than their acceptance gave, "
+                        "docs/MICRO.md)")
     p.add_argument("--ce-weight", type=float, default=0.1,
                    help="weight of the token loss against the feature loss (weight 1.0)")
     p.add_argument("--noise", type=float, default=0.2,
@@ -237,6 +253,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "vocabulary included")
     p.add_argument("--init-from", default=None,
                    help="where --init's head is (default: --checkpoints)")
+    add_precision(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-depth", type=int, default=5, help="held-out accuracy up to this depth")
     p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of 256 tokens")
@@ -246,6 +263,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoints", default=str(CHECKPOINT_DIR), help="where the target is")
     p.add_argument("--save-to", default=None, help="where the head goes (default: --checkpoints)")
     p.add_argument("--out", default="runs", help="where the log goes")
+
+
+def default_fuse_layers(n_layers: int) -> tuple[int, ...]:
+    """The layers whose value rows a fused head reads by default: every layer but the
+    first (its values read the embedding) up to four layers, else a low, a middle and a
+    high one, as EAGLE-3 picks three."""
+    if n_layers <= 4:
+        return tuple(range(1, n_layers))
+    return (1, n_layers // 2, n_layers - 1)
+
+
+def _layers(text: str) -> tuple[int, ...] | str:
+    if text in ("auto", "none"):
+        return "auto" if text == "auto" else ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of layer indices: {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> None:

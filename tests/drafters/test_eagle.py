@@ -13,7 +13,8 @@ from nodraft.drafters.base import DraftContext
 from nodraft.drafters.eagle import Eagle, features, load_head_state, write_untrained
 from nodraft.drafters.eagle.evaluation import evaluate_head
 from nodraft.micro.greedy import greedy_continue
-from nodraft.drafters.eagle.head import unroll
+from nodraft.drafters.eagle.head import (EagleHead, cached_values, save_head, unroll,
+                                         values)
 from nodraft.drafters.registry import DrafterEnv, SpeculationError
 from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
@@ -26,6 +27,14 @@ MODEL = tiny_model(seed=1)
 def env(tmp_path_factory) -> DrafterEnv:
     d = tmp_path_factory.mktemp("eagle")
     write_untrained(MODEL, "tiny", d)
+    return DrafterEnv("tiny", MODEL, {}, checkpoint_dir=d)
+
+
+@pytest.fixture(scope="module")
+def fused_env(tmp_path_factory) -> DrafterEnv:
+    """A head with EAGLE-3's fused features: the value rows of target layers 1 and 3."""
+    d = tmp_path_factory.mktemp("eagle-fused")
+    write_untrained(MODEL, "tiny", d, fuse_layers=(1, 3))
     return DrafterEnv("tiny", MODEL, {}, checkpoint_dir=d)
 
 
@@ -205,6 +214,59 @@ def test_training_and_drafting_compute_the_same_features(env):
     assert got == chain
 
 
+def test_fused_features_are_the_caches_value_rows_as_training_computes_them(fused_env):
+    """A fused head reads the target's value rows from its KV cache at run time and from
+    ``values`` in training: the same rows, and a top-1 chain drafted at run time is the
+    argmax of the unrolled steps fed them (the fused term at committed rows only)."""
+    params = Eagle.Params(depth=4, top_k=1, total_tokens=5)
+    ctx = prefilled([2, 4, 6, 8, 10, 12, 14])
+    drafter = Eagle(params, fused_env)
+    assert drafter.loaded.fused == (1, 3)
+    chain = drafter.propose(ctx, 64).tokens.tolist()
+    n = ctx.n_cached
+    hidden: list[torch.Tensor] = []
+    MODEL(torch.tensor([ctx.tokens[:n]]), hidden=hidden)
+    vals = values(MODEL, hidden[1:], (1, 3))[0]  # Micro's hidden starts at the embedding
+    torch.testing.assert_close(cached_values(ctx.cache, 0, (1, 3), 0, n), vals)
+    assert drafter.loaded.fuse_term(ctx, 0, n).abs().sum() > 0
+    text = torch.tensor([ctx.tokens + chain[:-1]])
+    feats = torch.zeros(1, text.shape[1] - 1, TINY.dim, dtype=torch.float64)
+    feats[0, :n] = features(MODEL, hidden[-1][0])
+    fused = torch.zeros(1, text.shape[1] - 1, 2 * TINY.dim, dtype=torch.float64)
+    fused[0, :n] = vals
+    outs = unroll(drafter.loaded.head, MODEL, text[:, 1:], feats, params.depth, vals=fused)
+    w = drafter.loaded.w_draft_t
+    got = [int(drafter.draft_vocab[(outs[j][0, n - 1 + j] @ w).argmax()]) for j in range(4)]
+    assert got == chain
+    unfused = unroll(drafter.loaded.head, MODEL, text[:, 1:], feats, 1)[0][0, n - 1]
+    assert not torch.allclose(unfused, outs[0][0, n - 1])  # the fused term counts
+
+
+def test_a_head_given_fused_features_drafts_as_before_until_trained(env, tmp_path):
+    _, state = load_head_state(env.checkpoint_dir, "tiny")
+    plain = EagleHead.from_state(TINY, state)
+    fused = plain.with_fused((1, 2, 3))
+    assert fused.fused == (1, 2, 3) and not fused.fuse.weight.any()
+    save_head(fused, "tiny", tmp_path, {})
+    ctx_a, ctx_b = prefilled([3, 1, 4, 1, 5, 9, 2, 6]), prefilled([3, 1, 4, 1, 5, 9, 2, 6])
+    params = Eagle.Params(depth=3, top_k=2, total_tokens=6)
+    a = Eagle(params, env).propose(ctx_a, 64)
+    b = Eagle(params, DrafterEnv("tiny", MODEL, {}, checkpoint_dir=tmp_path)).propose(ctx_b, 64)
+    assert as_lists(a) == as_lists(b)
+    with pytest.raises(ValueError, match="fuses layers"):
+        fused.with_fused((1,))
+    with pytest.raises(ValueError, match="distinct"):
+        plain.with_fused((0, 1))
+
+
+def test_a_fused_head_is_lossless(fused_env):
+    prompt = [9, 3, 9, 3, 17, 2, 40]
+    want, _, _ = generate(MODEL, prompt, 24)
+    for params in (Eagle.Params(), TREE):
+        got, seq, _ = generate(MODEL, prompt, 24, drafter=Eagle(params, fused_env))
+        assert got == want and seq.stats.drafter_errors == 0
+
+
 def test_missing_weights_say_how_to_train_them(tmp_path):
     with pytest.raises(SpeculationError, match="nodraft train eagle --model nowhere"):
         REGISTRY.build("eagle", Eagle.Params(), DrafterEnv("nowhere", MODEL, {},
@@ -255,6 +317,7 @@ def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
           "--threads", "1"])
     record = json.loads((tmp_path / "micro-eagle.json").read_text())
     assert record["steps"] == 3 and len(record["heldout"]["top1_by_position"]) == 3
+    assert record["fuse_layers"] == []  # fused features only when asked
     assert record["draft_step"]["vocab_1024_us"] > 0 and record["draft_step"]["vocab_4096_us"] > 0
     model = load_model("micro", checkpoint_dir)
     _, state = load_head_state(tmp_path, "micro")
@@ -306,6 +369,28 @@ def test_the_compiled_draft_step_is_the_eager_one(env, compiled_env, params):
             drafter.observe(ctx, accepted)
     cd = compiled._compiled_draft(compiled_env.model)
     assert {(s[3]) for s in cd._ready} == {False, True}  # both catch-up graphs ran
+
+
+def test_a_fused_heads_compiled_draft_step_is_the_eager_one(fused_env):
+    """The fused term enters the compiled catch-up (one row and several) as the eager one."""
+    compiled_env = DrafterEnv("tiny", copy.deepcopy(MODEL).compile(), {},
+                              checkpoint_dir=fused_env.checkpoint_dir)
+    prompt = [7, 1, 30, 22, 5, 5, 61, 40, 9]
+    params = Eagle.Params(depth=2, total_tokens=3)
+    eager, compiled = Eagle(params, fused_env), Eagle(params, compiled_env)
+    ctx_e, ctx_c = prefilled(prompt), prefilled(prompt)
+    ctx_c.model = compiled_env.model
+    for step in range(5):
+        de, dc = eager.propose(ctx_e, 64), compiled.propose(ctx_c, 64)
+        assert as_lists(dc) == as_lists(de), step
+        st_e, st_c = ctx_e.state["eagle"], ctx_c.state["eagle"]
+        torch.testing.assert_close(st_c.k[:, :st_c.rows], st_e.k[:, :st_e.rows])
+        accepted = [] if step % 2 == 0 else as_lists(de)[0][:2]
+        for ctx, drafter in ((ctx_e, eager), (ctx_c, compiled)):
+            commit(ctx, accepted, 11 + step)
+            drafter.observe(ctx, accepted)
+    cd = compiled._compiled_draft(compiled_env.model)
+    assert {(s[3]) for s in cd._ready} == {False, True}
 
 
 def test_unseeded_sampling_draws_the_chain_from_q_compiled_as_eager(env, compiled_env):
@@ -437,16 +522,19 @@ def test_self_distillation_goes_on_from_a_trained_head(checkpoint_dir, tmp_path)
     first, second = tmp_path / "first", tmp_path / "second"
     main(common + ["--steps", "2", "--save-to", str(first), "--out", str(first)])
     main(common + ["--steps", "3", "--init", "micro", "--init-from", str(first),
-                   "--self-distill", "0.5", "--distill-rows", "3",
+                   "--self-distill", "0.5", "--distill-rows", "3", "--fuse-layers", "auto",
                    "--save-to", str(second), "--out", str(second)])
     record = json.loads((second / "micro-eagle.json").read_text())
     assert record["steps"] == 3 and record["init"]["steps"] == 2
+    # auto: micro's every layer but the first (its value rows read the embedding)
+    assert record["fuse_layers"] == [1, 2, 3] and record["init"]["fuse_layers"] == []
     assert record["self_distill"] == 0.5 and record["distill_rows"] == 3
     assert len(record["heldout_greedy"]["top1_by_position"]) == 2
     _, before = load_head_state(first, "micro")
     _, after = load_head_state(second, "micro")
     assert torch.equal(before["draft_vocab"], after["draft_vocab"])  # its vocabulary kept
     assert not torch.equal(before["fc.weight"], after["fc.weight"])  # and trained on
+    assert "fuse.weight" not in before and after["fuse.weight"].any()  # fused, trained from 0
     log = (second / "micro-eagle.log").read_text()
     assert "self-distillation rows: 3/3" in log
     with pytest.raises(SystemExit):
