@@ -13,6 +13,7 @@ from nodraft.drafters.base import DraftContext
 from nodraft.drafters.eagle import Eagle, features, load_head_state, write_untrained
 from nodraft.drafters.eagle.evaluation import evaluate_head
 from nodraft.micro.greedy import greedy_continue
+from nodraft.micro.train import bf16_native
 from nodraft.drafters.eagle.head import (EagleHead, cached_values, save_head, unroll,
                                          values)
 from nodraft.drafters.registry import DrafterEnv, SpeculationError
@@ -318,6 +319,7 @@ def test_quick_training_yields_loadable_weights(checkpoint_dir, tmp_path):
     record = json.loads((tmp_path / "micro-eagle.json").read_text())
     assert record["steps"] == 3 and len(record["heldout"]["top1_by_position"]) == 3
     assert record["fuse_layers"] == []  # fused features only when asked
+    assert record["precision"] == ("bf16" if bf16_native() else "fp32")
     assert record["draft_step"]["vocab_1024_us"] > 0 and record["draft_step"]["vocab_4096_us"] > 0
     model = load_model("micro", checkpoint_dir)
     _, state = load_head_state(tmp_path, "micro")
