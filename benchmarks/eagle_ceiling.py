@@ -123,14 +123,14 @@ def main(argv: list[str] | None = None) -> None:
     def sampling(seed: int) -> SamplingParams:
         return SamplingParams(args.temperature, args.top_p, seed=seed)
 
+    heads = Path(args.checkpoints)
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        model = load_model(name, Path(args.checkpoints)).compile(True)
+        model = load_model(name, heads).compile(True)
         cache = KVCache(model.config, 1)
         table = costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
         one = table.table(1)
         pass_rows = lambda r: table.table(r) / one  # noqa: E731
         # compiled at its first use: EAGLE's draft step, untimed
-        heads = Path(args.checkpoints)
         decode(model, prompts[0]["ids"], 16, "eagle", chain, registry, {}, name, heads,
                sampling(0))
         hits, steps, draft_s, ratios = [0] * depth, 0, 0.0, []

@@ -236,7 +236,7 @@ def train(args: argparse.Namespace, command: str) -> dict:
         "minutes": round(minutes, 1), "steps": step, "tokens": tokens,
         "num_heads": K, "seed": args.seed, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "copy_frac": args.copy_frac, "random_frac": args.random_frac,
-        "lr": args.lr, "bf16": bf16, "precision": "bf16" if bf16 else "fp32",
+        "lr": args.lr, "bf16": bf16,
         "threads": torch.get_num_threads(),
         "self_distill": args.self_distill, "distill_rows": args.distill_rows if n_distill else 0,
         "init": init_record,

@@ -283,8 +283,8 @@ class Eagle(DrafterBase):
         st = self._new_state(cache.max_len)
         dtype = self.loaded.w_draft_t.dtype
         start = 8
+        fused = len(self.loaded.fused)
         for T in (1, 3):
-            fused = len(self.loaded.fused)
             fuse = torch.zeros(T, fused * c.dim, dtype=dtype) if fused else None
             cd.step(torch.zeros(T, c.dim, dtype=dtype), torch.zeros(T, dtype=torch.long), st,
                     start, p.depth, p.top_k, p.total_tokens - 1, 1.0, lazy=compile,

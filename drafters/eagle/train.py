@@ -117,7 +117,7 @@ def train(args: argparse.Namespace, command: str) -> dict:
     init_record = None
     if args.init:  # go on from a trained head (its draft vocabulary too)
         init_config, init_state = load_head_state(Path(args.init_from or checkpoints), args.init)
-        head = EagleHead.from_state(init_config, init_state).requires_grad_(True)
+        head = EagleHead.from_state(init_config, init_state)
         vocab = head.draft_vocab
         init_path = Path(args.init_from or checkpoints) / f"{args.init}-eagle.json"
         if init_path.exists():
