@@ -4,7 +4,8 @@ against ``auto``, greedy and sampled, against real servers started here.
     python benchmarks/batching.py [--concurrency 1,8,32] [--methods none,auto]
                                   [--sampling 0,0.8] [--requests-per-stream 6]
                                   [--max-tokens 64] [--rounds 3] [--threads 1] [--eager]
-                                  [--before CHECKOUT] [--out FILE.json]
+                                  [--before CHECKOUT] [--serve-args ARGS]
+                                  [--before-args ARGS] [--out FILE.json]
 
 For each concurrency the runs alternate -- servers, temperatures and methods in turn --
 ``--rounds`` times, and the median of each figure is reported (this machine is shared and
@@ -23,7 +24,9 @@ with ``--before``, over the other server's.
 The servers are ``nodraft serve`` in subprocesses (``--threads`` torch threads, default 1),
 measured once their compiled passes are ready: ``after``, this checkout, and with
 ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``) ``before``, that
-checkout's code (``checkouts.checkout_env``), idle but while measured. The load generator
+checkout's code (``checkouts.checkout_env``), idle but while measured. ``--serve-args`` and
+``--before-args``: more ``nodraft serve`` flags for each (e.g. ``--before . --serve-args
+"--kv-cache-dtype float16"``: this checkout against itself with another setting). The load generator
 runs on the last core, the one each server's API process keeps (the engine process has the
 first): on 2 cores, a client that roamed onto the engine's core measured the contention.
 """
@@ -34,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -58,14 +62,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(threads: int, max_running: int, compile: bool = True, env: dict | None = None
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(threads: int, max_running: int, compile: bool = True, env: dict | None = None,
+                 extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """The server, once it answers and its compiled passes are ready (their background
     compile would otherwise share the CPU with the first measurements)."""
     port = free_port()
     cmd = [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(port),
            "--threads", str(threads), "--max-running", str(max_running),
-           "--compile", "true" if compile else "false"]
+           "--compile", "true" if compile else "false", *(extra or [])]
     # its log goes to a file: a pipe nobody reads would fill with access lines and block it
     log = tempfile.NamedTemporaryFile("w+", prefix="nodraft-bench-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
@@ -154,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--eager", action="store_true", help="serve eager passes (default: compiled)")
     p.add_argument("--before", help="a checkout of this repository served beside, as 'before'")
+    p.add_argument("--serve-args", default="", help="more `nodraft serve` flags for this checkout")
+    p.add_argument("--before-args", default="", help="more `nodraft serve` flags for --before")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -163,12 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {"command": "python benchmarks/batching.py " + " ".join(argv or sys.argv[1:]),
                      "cpus": os.cpu_count(), "threads": args.threads, "rows": []}
     try:
-        servers["after"] = start_server(args.threads, max(levels), not args.eager)
+        servers["after"] = start_server(args.threads, max(levels), not args.eager,
+                                        extra=shlex.split(args.serve_args))
         if args.before:
             env = checkout_env(args.before)
             where = imported_from(env)
             assert where.is_relative_to(Path(args.before).resolve()), where
-            servers["before"] = start_server(args.threads, max(levels), not args.eager, env)
+            servers["before"] = start_server(args.threads, max(levels), not args.eager, env,
+                                             shlex.split(args.before_args))
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) >= 2:  # the load generator on the last core, the one the API keeps
             os.sched_setaffinity(0, cores[-1:])  # (the servers, started, keep their own)

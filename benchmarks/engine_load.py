@@ -4,6 +4,7 @@
                                      [--max-tokens 64] [--rounds 2] [--threads 1]
                                      [--sampling 0,0.8] [--seed 0]
                                      [--no-response-store] [--prefix-cache-mb 64[,0]]
+                                     [--kv-cache-dtype float32[,float16]]
                                      [--compile] [--out FILE.json]
 
 Submits ``concurrency * requests-per-stream`` requests (the loadtest's built-in prompts, in
@@ -22,6 +23,9 @@ run; several sizes are alternated, each row also over the first size's. The buil
 prompts repeat, so with a cache a prompt's blocks are kept from its first request on: a
 best case for the cache, as real traffic shares less (a system prompt, a conversation's
 earlier turns); ``0``: none, every prompt prefilled whole.
+
+``--kv-cache-dtype``: the engine's KV cache element (``nodraft serve --kv-cache-dtype``);
+several are alternated, each row also over the first's.
 
 ``--sampling``: temperatures, each measured apart (0: greedy); a sampled request i is seeded
 ``--seed + i`` (seeded sampling's drafter-invariant rule, as ``nodraft loadtest --seed``).
@@ -55,11 +59,14 @@ from nodraft.engine.verify import SamplingParams
 
 def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,
         requests: int, max_tokens: int, threads: int, temperature: float = 0.0,
-        seed: int = 0, prefix_cache_bytes: int = PREFIX_CACHE_BYTES) -> float:
+        seed: int = 0, prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        kv_cache_dtype: str = "float32") -> float:
     """Generated tokens/s of ``requests`` requests through an engine with ``streams`` slots
-    (and a prefix cache of ``prefix_cache_bytes``, fresh: 0, none)."""
+    (and a prefix cache of ``prefix_cache_bytes``, fresh: 0, none; a KV cache of
+    ``kv_cache_dtype``)."""
     engine = Engine({"micro": model}, registry, eot_id=None, max_running=streams,
-                    max_waiting=requests, threads=threads, prefix_cache_bytes=prefix_cache_bytes)
+                    max_waiting=requests, threads=threads, prefix_cache_bytes=prefix_cache_bytes,
+                    kv_cache_dtype=kv_cache_dtype)
     meth, params = registry.parse(method)
     done = threading.Semaphore(0)
     tokens = [0]
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="the compiled graphs built for this machine (built first if missing)")
     p.add_argument("--prefix-cache-mb", default=str(PREFIX_CACHE_BYTES >> 20),
                    help="the engine's prefix cache, MiB, comma-separated to alternate (0: none)")
+    p.add_argument("--kv-cache-dtype", default="float32",
+                   help="the KV cache's element, comma-separated to alternate: float32, float16")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -129,39 +138,49 @@ def measure(args, argv) -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     temperatures = [float(t) for t in args.sampling.split(",")]
     caches = [float(c) for c in args.prefix_cache_mb.split(",")]
+    kvs = [k.strip() for k in args.kv_cache_dtype.split(",") if k.strip()]
     rows = []
     for streams in (int(c) for c in args.concurrency.split(",")):
         n = streams * args.requests_per_stream
-        got = {(t, m, c): [] for t in temperatures for m in methods for c in caches}
-        run(model, prompts, registry, methods[0], streams, min(n, streams), args.max_tokens,
-            args.threads)  # warm-up
+        got = {(t, m, c, k): [] for t in temperatures for m in methods for c in caches
+               for k in kvs}
+        for k in kvs:  # warm-up
+            run(model, prompts, registry, methods[0], streams, min(n, streams), args.max_tokens,
+                args.threads, kv_cache_dtype=k)
         for _ in range(args.rounds):
             for t in temperatures:
                 for m in methods:
                     for c in caches:
-                        got[t, m, c].append(run(model, prompts, registry, m, streams, n,
-                                                args.max_tokens, args.threads, t, args.seed,
-                                                int(c * (1 << 20))))
+                        for k in kvs:
+                            got[t, m, c, k].append(run(
+                                model, prompts, registry, m, streams, n, args.max_tokens,
+                                args.threads, t, args.seed, int(c * (1 << 20)), k))
         for t in temperatures:
             for c in caches:
-                base = statistics.median(got[t, methods[0], c])
-                for m in methods:
-                    tps = statistics.median(got[t, m, c])
-                    rows.append({"concurrency": streams, "temperature": t, "method": m,
-                                 "prefix_cache_mb": c, "tokens_per_s": tps,
-                                 "runs": got[t, m, c], "x_first_method": tps / base,
-                                 "x_first_prefix_cache":
-                                     tps / statistics.median(got[t, m, caches[0]])})
-                    print(json.dumps(rows[-1]), file=sys.stderr)
+                for k in kvs:
+                    base = statistics.median(got[t, methods[0], c, k])
+                    for m in methods:
+                        tps = statistics.median(got[t, m, c, k])
+                        rows.append({
+                            "concurrency": streams, "temperature": t, "method": m,
+                            "prefix_cache_mb": c, "kv_cache_dtype": k, "tokens_per_s": tps,
+                            "runs": got[t, m, c, k], "x_first_method": tps / base,
+                            "x_first_prefix_cache":
+                                tps / statistics.median(got[t, m, caches[0], k]),
+                            "x_first_kv_cache_dtype":
+                                tps / statistics.median(got[t, m, c, kvs[0]])})
+                        print(json.dumps(rows[-1]), file=sys.stderr)
     result = {"command": "python benchmarks/engine_load.py " + " ".join(argv or sys.argv[1:]),
               "threads": args.threads, "rows": rows}
     print(f"Command: `{result['command']}`\n")
-    print(f"| streams | temperature | method | prefix cache MiB | tokens/s | x {methods[0]} | "
-          f"x prefix cache {caches[0]:g} |\n|---|---|---|---|---|---|---|")
+    print(f"| streams | temperature | method | prefix cache MiB | KV cache | tokens/s | "
+          f"x {methods[0]} | x prefix cache {caches[0]:g} | x KV cache {kvs[0]} |\n"
+          f"|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['concurrency']} | {r['temperature']:g} | {r['method']} | "
-              f"{r['prefix_cache_mb']:g} | {r['tokens_per_s']:.0f} | {r['x_first_method']:.2f} | "
-              f"{r['x_first_prefix_cache']:.2f} |")
+              f"{r['prefix_cache_mb']:g} | {r['kv_cache_dtype']} | {r['tokens_per_s']:.0f} | "
+              f"{r['x_first_method']:.2f} | {r['x_first_prefix_cache']:.2f} | "
+              f"{r['x_first_kv_cache_dtype']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -133,7 +133,8 @@ def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
     if got is not None:
         return got
     dtype = model.tok_embeddings.weight.dtype
-    if ctx is not None and ctx.cache.k.dtype == dtype:
+    if ctx is not None:  # the request's cache, whatever its element type: its passes'
+        dtype = ctx.cache.k.dtype
         # past the committed rows, and past the few rows compiled passes need
         start = max(ctx.cache.lengths[ctx.slot], costs.CONTEXT)
         if start + ROWS[-1] <= ctx.cache.max_len:

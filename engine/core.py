@@ -52,7 +52,7 @@ from nodraft.drafters.base import Draft, DrafterEnv, has_hook
 from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
-from nodraft.engine.launch import PREFIX_CACHE_BYTES
+from nodraft.engine.launch import KV_CACHE_DTYPES, PREFIX_CACHE_BYTES
 from nodraft.engine.prefix_cache import PrefixCache
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
 from nodraft.engine.sequence import Sequence, StepResult
@@ -138,15 +138,25 @@ class Handle:
 class Engine:
     def __init__(self, models: dict[str, Micro], registry: Registry, eot_id: int | None,
                  max_running: int = 16, max_waiting: int = 64, threads: int | None = None,
-                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES):
+                 prefix_cache_bytes: int = PREFIX_CACHE_BYTES, kv_cache_dtype: str = "float32"):
         """``prefix_cache_bytes``: each model's prompt blocks kept for the next prompts
-        that start with them (``engine.prefix_cache``); 0: none."""
+        that start with them (``engine.prefix_cache``); 0: none. ``kv_cache_dtype``: the
+        KV caches' element, ``KV_CACHE_DTYPES``."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {kv_cache_dtype!r}")
+        if kv_cache_dtype == "float16" and any(
+                m.tok_embeddings.weight.dtype != torch.float32 for m in models.values()):
+            raise ValueError("a float16 KV cache serves float32 models only")
         self.models = models
         self.registry = registry
         self.eot_id = eot_id
         self.max_running, self.max_waiting = max_running, max_waiting
         self.threads = threads
-        self.caches = {name: KVCache(m.config, max_running) for name, m in models.items()}
+        self.kv_cache_dtype = kv_cache_dtype
+        dtype = getattr(torch, kv_cache_dtype)
+        self.caches = {name: KVCache(m.config, max_running, dtype=dtype)
+                       for name, m in models.items()}
         self.free_slots = {name: list(range(max_running)) for name in models}
         self.prefix_caches = ({name: PrefixCache(prefix_cache_bytes) for name in models}
                               if prefix_cache_bytes > 0 else {})

@@ -29,6 +29,9 @@ import zmq
 
 PR_SET_PDEATHSIG = 1
 PREFIX_CACHE_BYTES = 64 << 20  # per model: the prompt blocks kept (engine.prefix_cache)
+# the KV cache's element types: float32 (the model's own), or float16 for float32 models,
+# which halves the bytes a batch's attention reads (micro/csrc/block.cpp; docs/ARCHITECTURE.md)
+KV_CACHE_DTYPES = ("float32", "float16")
 SOCKETS_PREFIX = "nodraft-engine-"  # + the API process's pid: its sockets' folder
 
 
@@ -54,6 +57,7 @@ class EngineConfig:
     # this long to go to the API with later ones (engine.process.EngineCore); 0: every step
     stream_interval: float = 0.0
     prefix_cache_bytes: int = PREFIX_CACHE_BYTES  # 0: no prefix cache
+    kv_cache_dtype: str = "float32"  # KV_CACHE_DTYPES
 
 
 @dataclass

@@ -59,7 +59,8 @@ def build_engine(config: EngineConfig) -> Engine:
     registry.describe()  # every drafter's module now, so that no request imports one
     engine = Engine(models, registry, tokenizer.eot_id, config.max_running,
                     config.max_waiting, threads=config.threads,
-                    prefix_cache_bytes=config.prefix_cache_bytes)
+                    prefix_cache_bytes=config.prefix_cache_bytes,
+                    kv_cache_dtype=config.kv_cache_dtype)
     engine.checkpoint_dir = directory  # Medusa and EAGLE weights sit beside micro's
     if config.compile:
         for model in models.values():

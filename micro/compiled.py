@@ -329,7 +329,7 @@ class CompiledPasses:
         if self.block_serves(compile) and _block_reads(cache):
             return self._run_block(h, pos, lo, hi, cache, slot, start, mask, head)
         T = h.shape[0]
-        if start < MIN_CONTEXT:
+        if start < MIN_CONTEXT or not _graphs_read(cache, h.dtype):
             return None
         # dynamo guards on storage offsets: a view into a longer tensor (early exit's mask is
         # a slice of the block's) would compile the graph again; inputs start at offset 0
@@ -380,6 +380,8 @@ class CompiledPasses:
             got = self.run(h, torch.arange(start, start + T), 0, self.model.config.n_layers,
                            cache, slot, start, None, False, compile)
             return None if got is None else got[0]
+        if not _graphs_read(cache, h.dtype):
+            return None
         if T == 1:
             h = torch.cat([h, h])
         h = _offset0(h)
@@ -456,6 +458,8 @@ class CompiledPasses:
                         > PACKED_DRAFTED_ROWS):
             return None
         dtype = self.model.tok_embeddings.weight.dtype
+        if not _graphs_read(cache, dtype):
+            return None
         family = (PACKED, bool(drafted), tuple(cache.k.shape), dtype)
         if family not in self._ready and not (self.lazy if compile is None else compile):
             return None
@@ -740,9 +744,17 @@ def _from_json(items: list) -> tuple:
 
 
 def _block_reads(cache) -> bool:
-    """Whether ``cache`` is what nodraft::block reads: float32 keys and values, contiguous."""
-    return (cache.k.dtype == torch.float32 and cache.k.is_contiguous()
-            and cache.v.is_contiguous())
+    """Whether ``cache`` is what nodraft::block reads: float32 keys and values, or float16
+    ones whose heads are whole vectors of 8, contiguous."""
+    return ((cache.k.dtype == torch.float32
+             or (cache.k.dtype == torch.float16 and cache.k.shape[-1] % 8 == 0))
+            and cache.k.is_contiguous() and cache.v.is_contiguous())
+
+
+def _graphs_read(cache, dtype: torch.dtype) -> bool:
+    """Whether the graphs can take ``cache``: keys and values in the model's own dtype (a
+    float16 cache of a float32 model is read by nodraft::block, or else eagerly)."""
+    return cache.k.dtype == dtype
 
 
 def _offset0(x: Tensor) -> Tensor:

@@ -27,7 +27,7 @@ blocks (``attention``; micro/compiled.py), each slot over its own cached rows on
 a batch's whole pass in one call, which call this kernel directly (``csrc/gemm.h``).
 
 Built at first use with ``torch.utils.cpp_extension`` (g++ -O3 with -mavx512f or -mavx2
--mfma, 10-20 s once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``,
+-mfma -mf16c, 10-20 s once; then cached in torch's extensions folder, ``TORCH_EXTENSIONS_DIR``,
 a folder per vector unit and per content of the sources, ``NAME``; a build stopped midway
 never blocks the next, ``build_lock``),
 on CPUs that report AVX-512 or AVX2 (``torch.backends.cpu.get_cpu_capability()``).
@@ -78,8 +78,8 @@ _state: dict[str, object] = {}  # "loaded": bool, "why": str
 
 
 # per vector unit: the extension's name (its own build folder) and compiler flags
-BUILDS = {"AVX512": (NAME, ["-O3", "-mavx512f", "-mfma"]),
-          "AVX2": (NAME + "_avx2", ["-O3", "-mavx2", "-mfma"])}
+BUILDS = {"AVX512": (NAME, ["-O3", "-mavx512f", "-mfma", "-mf16c"]),
+          "AVX2": (NAME + "_avx2", ["-O3", "-mavx2", "-mfma", "-mf16c"])}
 PACK = 16  # columns per block of a packed weight
 
 

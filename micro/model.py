@@ -152,7 +152,9 @@ class Attention(nn.Module):
             k_cache, v_cache = kv  # (H, max_len, D) views of one layer, one slot
             k_cache[:, start:start + T] = k[0]
             v_cache[:, start:start + T] = v[0]
-            k, v = k_cache[None, :, :start + T], v_cache[None, :, :start + T]
+            # read back as written: a float16 cache's rows, rounded, in the queries' dtype
+            k = k_cache[None, :, :start + T].to(q.dtype)
+            v = v_cache[None, :, :start + T].to(q.dtype)
         if mask is None and kv is not None and T == 1:
             y = F.scaled_dot_product_attention(q, k, v)  # one query sees everything before it
         elif mask is None and start == 0:

@@ -178,8 +178,9 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
         y = torch.empty(N, H, D, dtype=q.dtype)
         for rows, slot, end, m in plan["wide"]:
             yw = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None],
-                                                k_cache[slot, :, :end][None],
-                                                v_cache[slot, :, :end][None], attn_mask=m)
+                                                k_cache[slot, :, :end][None].to(q.dtype),
+                                                v_cache[slot, :, :end][None].to(q.dtype),
+                                                attn_mask=m)
             y[rows] = yw[0].transpose(0, 1)
         if plan["narrow"]:
             q0 = torch.cat([q, q.new_zeros(1, H, D)])  # the zero row pads short segments
@@ -191,7 +192,8 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
             else:
                 keys = k_cache[:, :, :ctx].index_select(0, slots)
                 values = v_cache[:, :, :ctx].index_select(0, slots)
-            yn = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask)
+            yn = F.scaled_dot_product_attention(qp, keys.to(q.dtype), values.to(q.dtype),
+                                                attn_mask=mask)
             y[rows] = yn.transpose(1, 2).reshape(B * Tq, H, D)[dest]
         h = h + F.linear(y.view(N, H * D), layer.attention.wo.weight)
         h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))

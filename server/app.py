@@ -175,7 +175,8 @@ class Service:
             await imports
         where = (f"an engine process (pid {self.client.pid})" if self.settings.engine_process
                  else "an engine thread")
-        log.info("nodraft: serving %s from %s on %s", ", ".join(names), directory, where)
+        log.info("nodraft: serving %s from %s on %s (KV cache: %s)", ", ".join(names),
+                 directory, where, self.engine_config.kv_cache_dtype)
         # out of the collector's reach, as the engine's: what start-up made (torch's,
         # FastAPI's and pydantic's modules and models, ~200k objects) would make every full
         # collection walk it -- a stall of tens of milliseconds for every stream, and a

@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         64.0, ge=0, description="per model, MiB of prompt blocks kept after their prefill: a "
         "prompt that starts with kept blocks (a system prompt, the turns of a conversation "
         "so far, a repeated request) copies their rows instead of computing them; 0: off")
+    kv_cache_dtype: Literal["float32", "float16"] = Field(
+        "float32", description="the KV cache's element type: float32 (the model's own) or "
+        "float16, which halves the bytes a batch's attention reads from memory and rounds "
+        "every cached key and value to half precision, so outputs may differ from "
+        "float32's where two tokens nearly tie; under either, speculative and batched "
+        "decoding give what plain decoding gives (docs/ARCHITECTURE.md)")
     compile: bool = Field(True, description="compiled single-sequence passes: built once "
                           "per machine by a process of their own (or ahead of time by "
                           "`nodraft compile`) and loaded at start; served eager until "
@@ -112,7 +118,8 @@ class Settings(BaseSettings):
             gemm=self.gemm, cores=engine_cores, io_cores=api_cores, log_level=self.log_level,
             compile_cache=str(self.compile_cache) if self.compile_cache else None,
             stream_interval=self.stream_interval_ms / 1000,
-            prefix_cache_bytes=int(self.prefix_cache_mb * (1 << 20)))
+            prefix_cache_bytes=int(self.prefix_cache_mb * (1 << 20)),
+            kv_cache_dtype=self.kv_cache_dtype)
 
     def cores(self) -> tuple[list[int] | None, list[int] | None]:
         """CPU affinity (engine process, API process). With two or more usable cores and

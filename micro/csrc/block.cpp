@@ -17,8 +17,10 @@
 //   final norm's weight when there is a head;
 //   mats: per layer wqkv (C, 3C), wo (C, C), w13 (C, 2F), w2 (F, C) in (in, out) layout,
 //   (K, N) or packed as (N / 16, K, 16) (gemm.h), then the head (C, V) if any;
-//   kc, vc (L, S, H, M, D) contiguous: the KV cache; the block's keys and values are
-//   written to rows [start, start + T) of ``slot`` in layers [lo, lo + n);
+//   kc, vc (L, S, H, M, D) contiguous, float32 or float16 alike: the KV cache; the block's
+//   keys and values are written to rows [start, start + T) of ``slot`` in layers [lo, lo +
+//   n) (rounded to the nearest half in a float16 cache), and every row's attention reads
+//   them back from there;
 //   mask (T, T) additive or None: which of the block's rows each row sees besides the
 //   cached rows [0, start) (None: causal).
 //
@@ -52,13 +54,44 @@
 
 namespace {
 
-using nodraft_simd::dot;
 using nodraft_simd::exp_sum;
 using nodraft_simd::exp_nonpositive;
 using nodraft_simd::lanes;
 using nodraft_simd::load;
 using nodraft_simd::store_scaled;
 using nodraft_simd::sum;
+
+// A cache row's element: float32, or IEEE half (``half_t``, its bits; F16C converts), which
+// halves the bytes a batch's attention reads (a head's rows must then be whole vectors of 8)
+using half_t = uint16_t;
+
+// vector i of a cache row of NV vectors, as float32: the last under ``last`` (float32 rows;
+// half rows are whole vectors)
+template <int NV>
+inline __m256 row_vector(const float* p, int i, __m256i last) {
+  return load<NV>(p, i, last);
+}
+template <int NV>
+inline __m256 row_vector(const half_t* p, int i, __m256i) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * i)));
+}
+
+// q . r over a cache row, q held in NV registers (``dot``'s order, either element)
+template <int NV, typename KV>
+inline float row_dot(const __m256 (&q)[NV], const KV* r, __m256i last) {
+  __m256 acc = _mm256_mul_ps(q[0], row_vector<NV>(r, 0, last));
+#pragma GCC unroll 16
+  for (int i = 1; i < NV; ++i) acc = _mm256_fmadd_ps(q[i], row_vector<NV>(r, i, last), acc);
+  return sum(acc);
+}
+
+// D floats into a cache row: copied, or rounded to the nearest half
+inline void to_row(const float* x, int64_t D, float* y) { std::memcpy(y, x, D * sizeof(float)); }
+inline void to_row(const float* x, int64_t D, half_t* y) {
+  for (int64_t i = 0; i < D; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
 
 constexpr int64_t kMaxVectors = 16;  // heads up to 128 wide
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -119,8 +152,8 @@ inline void swiglu(const float* gate, const float* up, int64_t n, float* y) {
 // rows are a run of their own, far from the last one's, where the hardware prefetcher
 // starts over. Spread, not in a burst at the task's start: hundreds of hints at once
 // stalled the pass (docs/BENCHMARKS.md, "The attention's prefetch, spread over the rows").
-template <int NV>
-void attend_row(const float* q, const float* k, const float* v, int64_t D, int64_t start,
+template <int NV, typename KV>
+void attend_row(const float* q, const KV* k, const KV* v, int64_t D, int64_t start,
                 int64_t T, int64_t t, const float* mask, float scale, __m256i last, float* s,
                 int64_t* rows, float* y, const char* next_k, const char* next_v,
                 int64_t next_lines) {
@@ -135,7 +168,7 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
   float top = kNegInf;
   for (int64_t r = 0; r < start; ++r) {
     ahead(next_k, r);
-    s[r] = dot<NV>(qv, k + r * D, last);
+    s[r] = row_dot<NV>(qv, k + r * D, last);
     top = std::max(top, s[r]);
   }
   for (int64_t r = start; r < start + T; ++r) ahead(next_k, r);
@@ -144,7 +177,7 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
     const float add = mask ? mask[j] : (j <= t ? 0.0f : kNegInf);
     if (add == kNegInf) continue;
     const int64_t r = start + j;
-    s[n] = dot<NV>(qv, k + r * D, last) + add;
+    s[n] = row_dot<NV>(qv, k + r * D, last) + add;
     top = std::max(top, s[n]);
     rows[m++] = r;
     ++n;
@@ -156,24 +189,25 @@ void attend_row(const float* q, const float* k, const float* v, int64_t D, int64
   for (int64_t i = 0; i < n; ++i) {
     ahead(next_v, i);
     const __m256 p = _mm256_set1_ps(s[i]);
-    const float* vr = v + (i < start ? i : rows[i - start]) * D;
+    const KV* vr = v + (i < start ? i : rows[i - start]) * D;
 #pragma GCC unroll 16
-    for (int u = 0; u < NV; ++u) acc[u] = _mm256_fmadd_ps(p, load<NV>(vr, u, last), acc[u]);
+    for (int u = 0; u < NV; ++u) acc[u] = _mm256_fmadd_ps(p, row_vector<NV>(vr, u, last), acc[u]);
   }
   for (int64_t i = n; i < start + T; ++i) ahead(next_v, i);
   store_scaled<NV>(acc, 1.0f / total, y, last);
 }
 
-using RowKernel = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
+template <typename KV>
+using RowKernel = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t,
                            int64_t, const float*, float, __m256i, float*, int64_t*, float*,
                            const char*, const char*, int64_t);
 
-template <int NV>
-RowKernel pick(int64_t nv) {
+template <int NV, typename KV>
+RowKernel<KV> pick(int64_t nv) {
   if constexpr (NV > kMaxVectors) {
     return nullptr;
   } else {
-    return nv == NV ? &attend_row<NV> : pick<NV + 1>(nv);
+    return nv == NV ? &attend_row<NV, KV> : pick<NV + 1, KV>(nv);
   }
 }
 
@@ -244,8 +278,9 @@ Weights weights(at::TensorList norms, at::TensorList mats, int64_t C) {
 // values written to its rows of the cache (L, S, H, M, D), each of its rows attending to
 // its slot's rows [0, start) and the segment's rows its mask allows. Then, with the head,
 // the logits of the segments that want them, their rows in order, into ``logits``.
+template <typename KV>
 void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vector<Segment>& segs,
-            const Weights& w, float* kcp, float* vcp, int64_t S, int64_t H, int64_t M,
+            const Weights& w, KV* kcp, KV* vcp, int64_t S, int64_t H, int64_t M,
             int64_t D, int64_t lo, const float* pcos, const float* psin, float eps,
             float* logits) {
   const int64_t F = w.F;
@@ -264,7 +299,7 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
   float* act = y + N * C;           // (N, F) the SwiGLU's output; (N, C) a product's
 
   const int64_t nv = (D + 7) / 8;
-  const RowKernel attend = pick<1>(nv);
+  const RowKernel<KV> attend = pick<1, KV>(nv);
   const __m256i last = lanes(D - 8 * (nv - 1));
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   // the attention's tasks: (segment, row, head), each ~start + t rows of D
@@ -280,16 +315,18 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
     for (int64_t r = 0; r < N; ++r) rms_norm(px + r * C, w.norms[2 * i], C, eps, xn + r * C);
     nodraft_kernels::gemm(xn, N, C, wqkv.p, 3 * C, wqkv.packed, wide);
     for (const Segment& g : segs) {
-      float* kl = kcp + ((l * S + g.slot) * H) * M * D;  // (H, M, D)
-      float* vl = vcp + ((l * S + g.slot) * H) * M * D;
+      KV* kl = kcp + ((l * S + g.slot) * H) * M * D;  // (H, M, D)
+      KV* vl = vcp + ((l * S + g.slot) * H) * M * D;
       for (int64_t t = 0; t < g.T; ++t) {
         const int64_t r = g.off + t;
         const float* row = wide + r * 3 * C;
         const float *ct = pcos + pp[r] * D, *st = psin + pp[r] * D;
         for (int64_t hh = 0; hh < H; ++hh) {
           rotate(row + hh * D, ct, st, D, q + r * C + hh * D);
-          rotate(row + C + hh * D, ct, st, D, kl + (hh * M + g.start + t) * D);
-          std::memcpy(vl + (hh * M + g.start + t) * D, row + 2 * C + hh * D, D * sizeof(float));
+          float* key = y + r * C + hh * D;  // the rotated key (y: only the attention below writes it)
+          rotate(row + C + hh * D, ct, st, D, key);
+          to_row(key, D, kl + (hh * M + g.start + t) * D);
+          to_row(row + 2 * C + hh * D, D, vl + (hh * M + g.start + t) * D);
         }
       }
     }
@@ -302,8 +339,8 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
         const int64_t r = task / H, hh = task % H;
         const Segment& g = segs[seg_of[r]];
         const int64_t t = r - g.off;
-        const float* kl = kcp + (((l * S + g.slot) * H) + hh) * M * D;
-        const float* vl = vcp + (((l * S + g.slot) * H) + hh) * M * D;
+        const KV* kl = kcp + (((l * S + g.slot) * H) + hh) * M * D;
+        const KV* vl = vcp + (((l * S + g.slot) * H) + hh) * M * D;
         const char *nk = nullptr, *nv = nullptr;  // the next task's rows, if any
         int64_t lines = 0;
         if (task + 1 < b) {
@@ -312,7 +349,7 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
           const int64_t o1 = (((l * S + g1.slot) * H) + h1) * M * D;
           nk = reinterpret_cast<const char*>(kcp + o1);
           nv = reinterpret_cast<const char*>(vcp + o1);
-          lines = ((g1.start + g1.T) * D * 4 + 63) / 64;
+          lines = ((g1.start + g1.T) * D * static_cast<int64_t>(sizeof(KV)) + 63) / 64;
         }
         attend(q + r * C + hh * D, kl, vl, D, g.start, g.T, t,
                g.mask ? g.mask + t * g.T : nullptr, scale, last, sc, picked.data(),
@@ -340,18 +377,23 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
 
 struct Cache {
   int64_t L, S, H, M, D;
+  bool half;  // float16 rows (else float32)
 };
 
 Cache check_cache(const at::Tensor& kc, const at::Tensor& vc, int64_t C) {
+  const bool half = kc.scalar_type() == at::kHalf;
   TORCH_CHECK(kc.dim() == 5 && vc.sizes() == kc.sizes() && kc.is_contiguous() &&
-                  vc.is_contiguous() && kc.scalar_type() == at::kFloat &&
-                  vc.scalar_type() == at::kFloat,
-              "nodraft::block: kc, vc must be contiguous float32 (L, S, H, M, D) alike, got ",
-              kc.sizes(), ", ", vc.sizes());
-  const Cache c{kc.size(0), kc.size(1), kc.size(2), kc.size(3), kc.size(4)};
+                  vc.is_contiguous() && vc.scalar_type() == kc.scalar_type() &&
+                  (half || kc.scalar_type() == at::kFloat),
+              "nodraft::block: kc, vc must be contiguous float32 or float16 (L, S, H, M, D) "
+              "alike, got ", kc.sizes(), " ", kc.scalar_type(), ", ", vc.sizes(), " ",
+              vc.scalar_type());
+  const Cache c{kc.size(0), kc.size(1), kc.size(2), kc.size(3), kc.size(4), half};
   TORCH_CHECK(c.H * c.D == C, "nodraft::block: ", c.H, " heads of ", c.D, " are not the width ", C);
   TORCH_CHECK(c.D >= 2 && c.D % 2 == 0 && c.D <= 8 * kMaxVectors, "nodraft::block: head size ",
               c.D, " not even or outside [2, ", 8 * kMaxVectors, "]");
+  TORCH_CHECK(!half || c.D % 8 == 0, "nodraft::block: a float16 cache needs a head size that "
+              "is a multiple of 8, got ", c.D);
   return c;
 }
 
@@ -444,10 +486,16 @@ std::tuple<at::Tensor, at::Tensor> packed_block(
   const int64_t* pp = positions(pos, N, cos, sin, c.D);
   at::Tensor x = h_in.contiguous().clone();
   at::Tensor logits = at::empty({w.head ? R : 0, w.V}, x.options());
-  if (N > 0)
+  float* out = w.head ? logits.data_ptr<float>() : nullptr;
+  if (N > 0 && c.half)
+    layers(x.data_ptr<float>(), N, C, pp, segs, w,
+           reinterpret_cast<half_t*>(kc.data_ptr<at::Half>()),
+           reinterpret_cast<half_t*>(vc.data_ptr<at::Half>()), c.S, c.H, c.M, c.D, lo,
+           cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(eps), out);
+  else if (N > 0)
     layers(x.data_ptr<float>(), N, C, pp, segs, w, kc.data_ptr<float>(), vc.data_ptr<float>(),
            c.S, c.H, c.M, c.D, lo, cos.data_ptr<float>(), sin.data_ptr<float>(),
-           static_cast<float>(eps), w.head ? logits.data_ptr<float>() : nullptr);
+           static_cast<float>(eps), out);
   return {x, logits};
 }
 

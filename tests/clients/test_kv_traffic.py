@@ -25,3 +25,8 @@ def test_the_attention_is_the_difference_of_two_passes_per_row_and_head():
     assert r["attention_share"] == pytest.approx(attention / (800e-6 + attention + 500e-6))
     assert r["whole_pass_us"] == pytest.approx((800e-6 + attention + 500e-6) * 1e6)
     assert r["streaming_read_gb_per_s"] == pytest.approx(20.0)
+    # a float16 cache's row is half the bytes: the same time reads half the bytes a second
+    half = kv_traffic.summarise(med, [2, 8], ctx, head_dim=40, heads=heads, roof=20e9,
+                                element=2)
+    assert [row["gb_per_s"] for row in half["rows"]] == pytest.approx([16.0, 6.4])
+    assert half["rows"][1]["kv_mb_read"] == pytest.approx(r["rows"][1]["kv_mb_read"] / 2)

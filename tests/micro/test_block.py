@@ -28,9 +28,10 @@ def pair(request, checkpoint_dir):
     return eager, fast
 
 
-def _prefilled(model, n: int, slots: int = 3, seed: int = 0) -> KVCache:
+def _prefilled(model, n: int, slots: int = 3, seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> KVCache:
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed))
-    cache = KVCache(model.config, slots)
+    cache = KVCache(model.config, slots, dtype=dtype)
     with torch.inference_mode():
         model(ids[None], cache=cache, slot=1, start=0)
     cache.set_length(1, n)
@@ -114,14 +115,16 @@ def test_a_prompt_matches_eager(pair, T, start):
                                eager.verify_pass(nxt, ce, 1, start + T)[0], rtol=1e-4, atol=1e-3)
 
 
-def test_a_token_gives_the_same_bits_alone_behind_drafts_and_on_a_tree_path(pair):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_token_gives_the_same_bits_alone_behind_drafts_and_on_a_tree_path(pair, dtype):
     """The contract that makes a lone sequence's speculative decoding equal its plain
-    decoding bit for bit: a row's logits do not depend on the rows verified with it."""
+    decoding bit for bit: a row's logits do not depend on the rows verified with it --
+    over a float32 cache and over a float16 one."""
     _, fast = pair
     ids = torch.randint(0, 4096, (8,), generator=torch.Generator().manual_seed(5))
-    chain = _prefilled(fast, 25)
+    chain = _prefilled(fast, 25, dtype=dtype)
     lc, hc = fast.verify_pass(ids[:6], chain, 1, 25)  # the token and five drafts
-    alone = _prefilled(fast, 25)
+    alone = _prefilled(fast, 25, dtype=dtype)
     for t in range(6):  # one token a pass, each committed before the next
         la, ha = fast.verify_pass(ids[t:t + 1], alone, 1, 25 + t)
         assert torch.equal(la[0], lc[t]) and torch.equal(ha[0], hc[t])
@@ -130,11 +133,11 @@ def test_a_token_gives_the_same_bits_alone_behind_drafts_and_on_a_tree_path(pair
     tree = tree_attention_mask(torch.tensor([-1, 0, -1, 2]))
     tid = torch.stack([ids[0], ids[1], ids[2], ids[7], ids[2]])
     pos = 25 + torch.tensor([0, 1, 2, 1, 2])
-    branchy = _prefilled(fast, 25)
+    branchy = _prefilled(fast, 25, dtype=dtype)
     lt, _ = fast.verify_pass(tid, branchy, 1, 25, pos, tree)
     # path 0 -> 3 -> 4 accepted: its rows moved in place, the next token's pass sees them
     branchy.move_rows(1, [25, 28, 29], 25)
-    path = _prefilled(fast, 25)
+    path = _prefilled(fast, 25, dtype=dtype)
     lp, _ = fast.verify_pass(torch.stack([ids[0], ids[7], ids[2]]), path, 1, 25)
     for node, row in ((0, 0), (3, 1), (4, 2)):
         assert torch.equal(lt[node], lp[row])
@@ -232,10 +235,11 @@ def test_a_packed_pass_matches_eager_for_every_kind_of_batch(checkpoint_dir):
         torch.testing.assert_close(cf.v, ce.v, **TOL)
 
 
-def test_a_sequence_gets_the_same_bits_batched_as_alone(checkpoint_dir):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_sequence_gets_the_same_bits_batched_as_alone(checkpoint_dir, dtype):
     """Batch-invariant across sequences too: a block's logits in a packed pass beside
     other sequences' blocks (one-row steps, a tree, a prompt's chunk) are its logits when it
-    runs alone, bit for bit."""
+    runs alone, bit for bit -- over a float32 cache and over a float16 one."""
     from nodraft.micro.packed import Segment, forward_packed
 
     fast = load_model("micro", checkpoint_dir).compile()
@@ -243,7 +247,7 @@ def test_a_sequence_gets_the_same_bits_batched_as_alone(checkpoint_dir):
     prompts = [torch.randint(0, 4096, (n,), generator=g) for n in (17, 30, 9, 24)]
 
     def fresh():
-        cache = KVCache(fast.config, 5, 96)
+        cache = KVCache(fast.config, 5, 96, dtype)
         for s, p in enumerate(prompts):
             fast.prefill_pass(p, cache, s, 0)
         return cache
@@ -278,3 +282,30 @@ def test_a_packed_pass_refuses_a_slot_twice_and_lengths_that_do_not_add_up(check
         op(*args, [1, 2], [0, 1], [3, 4], [None, None], [1, 1], 0, 1e-5)
     h2, lg = op(*args, [1, 1], [0, 1], [3, 4], [None, None], [1, 0], 0, 1e-5)
     assert h2.shape == (2, fast.config.dim) and lg.shape == (1, fast.config.vocab_size)
+
+
+def test_a_float16_cache_holds_its_rows_rounded_and_reads_them_back(checkpoint_dir):
+    """A float16 cache: the pass writes every key and value rounded to half precision and
+    attends over exactly those rows -- eager micro over the same float16 cache gives its
+    numbers, a float32 cache nearly; and the graphs, which take only the model's own
+    dtype, leave such a cache to nodraft::block or to eager passes."""
+    eager = load_model("micro", checkpoint_dir)
+    fast = load_model("micro", checkpoint_dir).compile()
+    ids = torch.randint(0, 4096, (5,), generator=torch.Generator().manual_seed(3))
+    half, half_eager = (_prefilled(m, 30, dtype=torch.float16) for m in (fast, eager))
+    full = _prefilled(fast, 30)
+    assert half.k.dtype == torch.float16 and half.v.dtype == torch.float16
+    torch.testing.assert_close(half.k, half_eager.k, rtol=2e-3, atol=2e-3)
+    lh, _ = fast.verify_pass(ids, half, 1, 30)
+    le, _ = eager.verify_pass(ids, half_eager, 1, 30)
+    lf, _ = fast.verify_pass(ids, full, 1, 30)
+    torch.testing.assert_close(lh, le, rtol=1e-3, atol=2e-3)
+    torch.testing.assert_close(lh, lf, rtol=1e-2, atol=2e-2)  # half precision's rounding
+    assert not torch.equal(lh, lf)  # the rows read were the rounded ones
+    # the rows this pass wrote are its keys and values, rounded: the first layer's, whose
+    # inputs (the tokens' embeddings) both caches share, are the float32 ones rounded
+    assert torch.equal(half.k[0, 1, :, 30:35], full.k[0, 1, :, 30:35].half())
+    assert torch.equal(half.v[0, 1, :, 30:35], full.v[0, 1, :, 30:35].half())
+    # a float16 cache's head must be whole vectors of 8 for nodraft::block
+    from nodraft.micro.compiled import _block_reads, _graphs_read
+    assert _block_reads(half) and not _graphs_read(half, torch.float32)

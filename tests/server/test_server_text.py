@@ -211,6 +211,12 @@ def test_settings_env_then_flags(monkeypatch, tmp_path):
     assert defaults.gemm == "auto" and Settings.from_argv(["--gemm", "torch"]).gemm == "torch"
     with pytest.raises(ValidationError):
         Settings.from_argv(["--gemm", "mkl"])
+    # the KV cache: float32 by default, float16 on request, nothing else
+    assert defaults.engine_config().kv_cache_dtype == "float32"
+    half = Settings.from_argv(["--kv-cache-dtype", "float16"])
+    assert half.engine_config().kv_cache_dtype == "float16"
+    with pytest.raises(ValidationError):
+        Settings.from_argv(["--kv-cache-dtype", "bfloat16"])
 
 
 def test_serve_help(capsys):
