@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods.split(",")
     temps = [float(t) for t in args.sampling.split(",")]
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
-    results: dict = {"command": "python benchmarks/batching.py " + " ".join(argv or sys.argv[1:]),
+    results: dict = {"command": "python benchmarks/batching.py " + shlex.join(argv or sys.argv[1:]),
                      "cpus": os.cpu_count(), "threads": args.threads, "rows": []}
     try:
         servers["after"] = start_server(args.threads, max(levels), not args.eager,
