@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from nodraft.engine.launch import KV_CACHE_DTYPES
 from nodraft.micro.checkpoint import load_model
 from nodraft.micro.model import KVCache
 from nodraft.micro.packed import Segment
@@ -98,8 +99,7 @@ def measure(sequences: list[int], context: int, rounds: int, repeats: int,
     for d in dtypes:
         med = {s: statistics.median(got[(d, *s)]) for s in shapes}
         out[d] = summarise(med, sequences, context, c.head_dim, c.n_layers * c.n_heads,
-                           statistics.median(roof), torch.tensor([], dtype=getattr(torch, d))
-                           .element_size())
+                           statistics.median(roof), caches[d].k.element_size())
         out[d]["x_first"] = {f"{n},{start},{int(lg)}": statistics.median(
             a / b for a, b in zip(got[(d, n, start, lg)], got[(dtypes[0], n, start, lg)]))
             for n, start, lg in shapes}
@@ -175,8 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = [d.strip() for d in args.kv_cache_dtype.split(",") if d.strip()]
     if not sequences or sequences[0] < 1 or args.context < 2:
         sys.exit("--sequences must be positive and --context at least 2")
-    if not dtypes or set(dtypes) - {"float32", "float16"}:
-        sys.exit("--kv-cache-dtype takes float32 and float16")
+    if not dtypes or set(dtypes) - set(KV_CACHE_DTYPES):
+        sys.exit(f"--kv-cache-dtype takes {', '.join(KV_CACHE_DTYPES)}")
     result = measure(sequences, args.context, args.rounds, args.repeats, dtypes)
     command = "python benchmarks/kv_traffic.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])

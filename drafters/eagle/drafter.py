@@ -88,7 +88,8 @@ class LoadedHead:
         fused·dim): ``head.cached_values``), or None for a head without fused features."""
         if not self.fused:
             return None
-        return cached_values(ctx.cache, ctx.slot, self.fused, a, n)
+        # in the head's dtype: a float16 KV cache's rows are half precision
+        return cached_values(ctx.cache, ctx.slot, self.fused, a, n).to(self.w_fuse_t.dtype)
 
     def fuse_term(self, ctx: DraftContext, a: int, n: int) -> Tensor | None:
         """fuse(value rows of committed positions [a, n)): (n - a, dim), or None for a head

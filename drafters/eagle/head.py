@@ -156,8 +156,7 @@ def cached_values(cache, slot: int, layers: tuple[int, ...], a: int, n: int) -> 
         v = cache.v[lo:lo + len(layers), slot, :, a:n]  # a view: (L, H, T, D)
     else:
         v = cache.v[list(layers), slot, :, a:n]  # a gather
-    v = v.permute(2, 0, 1, 3).reshape(n - a, -1)
-    return v.float() if v.dtype == torch.float16 else v  # a float16 cache serves float32 models
+    return v.permute(2, 0, 1, 3).reshape(n - a, -1)
 
 
 def _layer_over_steps(block: Block, x: Tensor, cos: Tensor, sin: Tensor,

@@ -85,13 +85,6 @@ inline float row_dot(const __m256 (&q)[NV], const KV* r, __m256i last) {
   return sum(acc);
 }
 
-// D floats into a cache row: copied, or rounded to the nearest half
-inline void to_row(const float* x, int64_t D, float* y) { std::memcpy(y, x, D * sizeof(float)); }
-inline void to_row(const float* x, int64_t D, half_t* y) {
-  for (int64_t i = 0; i < D; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
-                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-}
 
 constexpr int64_t kMaxVectors = 16;  // heads up to 128 wide
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -141,6 +134,25 @@ inline void swiglu(const float* gate, const float* up, int64_t n, float* y) {
     _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(g, sg), _mm256_loadu_ps(up + i)));
   }
   for (; i < n; ++i) y[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+// D floats into a cache row: copied, or rounded to the nearest half
+inline void to_row(const float* x, int64_t D, float* y) { std::memcpy(y, x, D * sizeof(float)); }
+inline void to_row(const float* x, int64_t D, half_t* y) {
+  for (int64_t i = 0; i < D; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
+// a key rotated into its cache row: straight in, or through ``scratch`` (D floats) rounded
+inline void rotate_to_row(const float* x, const float* cos, const float* sin, int64_t D,
+                          float* y, float*) {
+  rotate(x, cos, sin, D, y);
+}
+inline void rotate_to_row(const float* x, const float* cos, const float* sin, int64_t D,
+                          half_t* y, float* scratch) {
+  rotate(x, cos, sin, D, scratch);
+  to_row(scratch, D, y);
 }
 
 // One row's attention in one head: q (D,), over the cache rows [0, start) of k, v (M, D)
@@ -323,9 +335,9 @@ void layers(float* px, int64_t N, int64_t C, const int64_t* pp, const std::vecto
         const float *ct = pcos + pp[r] * D, *st = psin + pp[r] * D;
         for (int64_t hh = 0; hh < H; ++hh) {
           rotate(row + hh * D, ct, st, D, q + r * C + hh * D);
-          float* key = y + r * C + hh * D;  // the rotated key (y: only the attention below writes it)
-          rotate(row + C + hh * D, ct, st, D, key);
-          to_row(key, D, kl + (hh * M + g.start + t) * D);
+          // scratch for a half row's key: y, which only the attention below writes
+          rotate_to_row(row + C + hh * D, ct, st, D, kl + (hh * M + g.start + t) * D,
+                        y + r * C + hh * D);
           to_row(row + 2 * C + hh * D, D, vl + (hh * M + g.start + t) * D);
         }
       }
