@@ -30,6 +30,33 @@ def fixed_prices():
     costs._COSTS.pop(MODEL, None)
 
 
+@pytest.fixture
+def priced_clock(monkeypatch, fixed_prices):
+    """The clock that ``auto`` and the sequence read, moved only by passes, each by its
+    price in ``fixed_prices``: what a test of a whole generation checks then follows the
+    text and ``auto``'s beliefs, not what else the machine (another test worker) was doing
+    while a pass, a draft or a step was timed. Drafts and a step's other work take no time
+    on this clock."""
+    import types
+
+    from nodraft.drafters import auto as auto_module
+    from nodraft.engine import sequence as sequence_module
+    from nodraft.engine.sequence import Sequence
+
+    now = [0.0]
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(auto_module, "time", clock)
+    monkeypatch.setattr(sequence_module, "time", clock)
+    verify = Sequence.verify
+
+    def priced(self, draft):
+        out = verify(self, draft)
+        now[0] += fixed_prices.table(1 + len(draft) + draft.n_aux)
+        return out
+
+    monkeypatch.setattr(Sequence, "verify", priced)
+
+
 def test_expected_tokens_under_a_uniform_belief():
     # Beta(1, 1): E[alpha**j] = 1 / (j + 1), so a step of k drafts expects H(k + 1) tokens
     tokens = Acceptance(1.0, 1.0).tokens(5)
@@ -63,7 +90,7 @@ def test_a_wide_belief_expects_more_of_long_drafts_than_its_mean():
 
 
 
-def test_auto_drafts_from_a_match_and_says_which_drafter_proposed():
+def test_auto_drafts_from_a_match_and_says_which_drafter_proposed(priced_clock):
     prompt = [5, 9, 11, 3, 7, 2] * 8
     want = generate(MODEL, prompt, 40)[0]
     got, seq, steps = generate(MODEL, prompt, 40, "auto", {"candidates": "prompt_lookup,suffix"})
@@ -323,7 +350,7 @@ def test_a_rest_ends_where_the_servers_stored_responses_hold_a_copy():
         auto.copies_pay.clear()
 
 
-def test_sampled_drafts_that_pay_are_sent():
+def test_sampled_drafts_that_pay_are_sent(priced_clock):
     from nodraft.engine.verify import SamplingParams
 
     prompt = [4, 8, 15, 16, 23, 42] * 8  # prompt lookup matches at every step
@@ -335,7 +362,7 @@ def test_sampled_drafts_that_pay_are_sent():
     assert len(steps) < 40  # drafts were accepted: fewer steps than tokens
 
 
-def test_acceptance_learned_by_one_request_informs_the_next():
+def test_acceptance_learned_by_one_request_informs_the_next(priced_clock):
     shared: dict = {}
     prompt = [4, 8, 15, 16, 23, 42] * 6
     generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
@@ -371,7 +398,7 @@ def test_a_new_match_length_starts_uniform_until_the_server_counted_a_few_shorte
     assert auto._estimate(("prompt_lookup", 7, "t>0.85")).alpha == pytest.approx(1.5 / 9.5)
 
 
-def test_beliefs_are_kept_per_sampling_regime():
+def test_beliefs_are_kept_per_sampling_regime(priced_clock):
     """A greedy request's acceptance does not inform a sampled one's (nor one regime's
     another's): each (drafter, match length) has a belief per regime."""
     from nodraft.engine.verify import SamplingParams
