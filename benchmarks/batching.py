@@ -14,7 +14,10 @@ streamed requests, every request with the loadtest's built-in prompts (fresh and
 repeating, in turn); sampled runs (a temperature above 0 in ``--sampling``) are seeded
 (``nodraft loadtest --seed``, the round's seed): every method and server generates the
 same text for a prompt. Reported per (server, temperature, concurrency, method):
-aggregate generated tokens/s, TTFT and inter-token latency p50/p99, errors, the CPU time
+aggregate generated tokens/s (over the whole run, and *sustained*: while every user still
+had a request in flight, ``loadtest.sustained_rate`` -- a drafter that ends some equal
+requests early and not others frees users only in the run's tail, so only this figure
+counts the steps it saved), TTFT and inter-token latency p50/p99, errors, the CPU time
 the API process, the engine process and the load generator each spent per generated token
 (from /proc: where both cores are full, the figure that says which process a change made
 cheaper, steadier than tokens/s); the
@@ -139,6 +142,7 @@ def one(url: str, concurrency: int, method: str, n: int, max_tokens: int,
 
     return {
         "tokens_per_s": r["throughput"]["generated_tokens_per_s"],
+        "sustained_tokens_per_s": r["throughput"]["sustained_tokens_per_s"],
         "ttft_p50_ms": ms("ttft", "p50"), "ttft_p99_ms": ms("ttft", "p99"),
         "itl_p50_ms": ms("inter_token", "p50"), "itl_p99_ms": ms("inter_token", "p99"),
         "errors": sum(r["errors"].values()), "requests": r["requests"]["sent"],
@@ -218,6 +222,12 @@ def main(argv: list[str] | None = None) -> None:
                                                         method=r["method"])["tokens_per_s"]
         r["x_" + methods[0]] = r["tokens_per_s"] / find(**same, concurrency=r["concurrency"],
                                                         method=methods[0])["tokens_per_s"]
+        one_s = find(**same, concurrency=levels[0], method=r["method"])["sustained_tokens_per_s"]
+        first_s = find(**same, concurrency=r["concurrency"],
+                       method=methods[0])["sustained_tokens_per_s"]
+        sus = r["sustained_tokens_per_s"]
+        r["sustained_x_single_stream"] = sus / one_s if sus and one_s else None
+        r["sustained_x_" + methods[0]] = sus / first_s if sus and first_s else None
         other = find(server="before", temperature=r["temperature"],
                      concurrency=r["concurrency"], method=r["method"])
         if r["server"] == "after" and other:
@@ -230,15 +240,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def render(results: dict) -> str:
     lines = ["| server | sampling | streams | method | tokens/s | x one stream | x none | "
+             "sustained tokens/s | x one stream | x none | "
              "x before | TTFT p50 / p99 ms | ITL p50 / p99 ms | CPU us a token: API / engine / "
              "load generator | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         t = "greedy" if r["temperature"] == 0 else f"t={r['temperature']}"
         before = f"{r['x_before']:.2f}" if "x_before" in r else ""
         lines.append(f"| {r['server']} | {t} | {r['concurrency']} | {r['method']} | "
                      f"{r['tokens_per_s']:.0f} | {r['x_single_stream']:.2f} | "
-                     f"{r.get('x_none', float('nan')):.2f} | {before} | "
+                     f"{r.get('x_none', float('nan')):.2f} | "
+                     f"{_f(r.get('sustained_tokens_per_s'), 0)} | "
+                     f"{_f(r.get('sustained_x_single_stream'), 2)} | "
+                     f"{_f(r.get('sustained_x_none'), 2)} | {before} | "
                      f"{_f(r['ttft_p50_ms'], 1)} / {_f(r['ttft_p99_ms'], 1)} | "
                      f"{_f(r['itl_p50_ms'], 2)} / {_f(r['itl_p99_ms'], 2)} | "
                      f"{' / '.join(_f(r.get('cpu_us_per_token_' + k), 0) for k in CPU_OF)} | "

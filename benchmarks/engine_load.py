@@ -9,7 +9,10 @@
 
 Submits ``concurrency * requests-per-stream`` requests (the loadtest's built-in prompts, in
 turn) to an ``Engine`` with ``concurrency`` slots and reports generated tokens/s until the
-last finishes, methods alternated, ``--rounds`` times, the median. Without the server, the
+last finishes, methods alternated, ``--rounds`` times, the median; and *sustained*
+tokens/s, counted until the last request's first step, while requests waited for every
+slot that freed (``sustained_rate``: the whole run's figure does not count steps a drafter
+saved some requests and not others). Without the server, the
 event loop streaming responses does not share the engine thread's GIL and CPU, so this
 shows what the engine itself does (``benchmarks/batching.py`` measures the served whole).
 
@@ -40,6 +43,7 @@ here has one slot per stream, so only at 32 streams does the batch's pass run co
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -60,10 +64,11 @@ from nodraft.engine.verify import SamplingParams
 def run(model, prompts: list[list[int]], registry: Registry, method: str, streams: int,
         requests: int, max_tokens: int, threads: int, temperature: float = 0.0,
         seed: int = 0, prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-        kv_cache_dtype: str = "float32") -> float:
+        kv_cache_dtype: str = "float32") -> tuple[float, float | None]:
     """Generated tokens/s of ``requests`` requests through an engine with ``streams`` slots
     (and a prefix cache of ``prefix_cache_bytes``, fresh: 0, none; a KV cache of
-    ``kv_cache_dtype``)."""
+    ``kv_cache_dtype``): over the whole run, and sustained (``sustained_rate``; None when
+    every request fits in the first batch)."""
     engine = Engine({"micro": model}, registry, eot_id=None, max_running=streams,
                     max_waiting=requests, threads=threads, prefix_cache_bytes=prefix_cache_bytes,
                     kv_cache_dtype=kv_cache_dtype)
@@ -71,10 +76,15 @@ def run(model, prompts: list[list[int]], registry: Registry, method: str, stream
     done = threading.Semaphore(0)
     tokens = [0]
     errors: list[str] = []
+    steps: list[tuple[float, int]] = []  # (when, tokens) of every step, in order
+    last_admitted: list[float] = []  # when the last request submitted had its first step
 
-    def callback(ev):
+    def callback(ev, last=False):
         if ev.kind == "step":
             tokens[0] += len(ev.step.tokens)
+            steps.append((time.perf_counter(), len(ev.step.tokens)))
+            if last and not last_admitted:
+                last_admitted.append(steps[-1][0])
         elif ev.kind in ("finish", "error"):
             if ev.kind == "error":
                 errors.append(ev.error)
@@ -86,7 +96,8 @@ def run(model, prompts: list[list[int]], registry: Registry, method: str, stream
         for i in range(requests):
             sp = SamplingParams(temperature, seed=seed + i) if temperature else SamplingParams()
             engine.submit(GenerationRequest("micro", prompts[i % len(prompts)], max_tokens,
-                                            sampling=sp, method=meth, params=params), callback)
+                                            sampling=sp, method=meth, params=params),
+                          functools.partial(callback, last=i == requests - 1))
         for _ in range(requests):
             done.acquire()
         seconds = time.perf_counter() - t0
@@ -94,7 +105,19 @@ def run(model, prompts: list[list[int]], registry: Registry, method: str, stream
         engine.stop()
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    return tokens[0] / seconds
+    sustained = (sustained_rate(steps, t0, last_admitted[0])
+                 if requests > streams and last_admitted else None)
+    return tokens[0] / seconds, sustained
+
+
+def sustained_rate(steps: list[tuple[float, int]], start: float, end: float) -> float:
+    """Tokens/s of the steps made from ``start`` until ``end``, the last request's first
+    step: while requests waited, so every slot a request left was filled at once. The
+    whole run's figure is its makespan's: equal requests finishing at about the same time,
+    a drafter that ends some of them early (sampled text copies sporadically) frees slots
+    only in the tail, where nothing waits to take them -- the same passes, as many as
+    without it -- so its saved steps count only here."""
+    return sum(n for t, n in steps if t <= end) / (end - start)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,28 +181,37 @@ def measure(args, argv) -> None:
         for t in temperatures:
             for c in caches:
                 for k in kvs:
-                    base = statistics.median(got[t, methods[0], c, k])
+                    def med(m, c=c, k=k, i=0):
+                        xs = [r[i] for r in got[t, m, c, k] if r[i] is not None]
+                        return statistics.median(xs) if xs else None
+                    base, base_s = med(methods[0]), med(methods[0], i=1)
                     for m in methods:
-                        tps = statistics.median(got[t, m, c, k])
+                        tps, sus = med(m), med(m, i=1)
                         rows.append({
                             "concurrency": streams, "temperature": t, "method": m,
                             "prefix_cache_mb": c, "kv_cache_dtype": k, "tokens_per_s": tps,
-                            "runs": got[t, m, c, k], "x_first_method": tps / base,
-                            "x_first_prefix_cache":
-                                tps / statistics.median(got[t, m, caches[0], k]),
-                            "x_first_kv_cache_dtype":
-                                tps / statistics.median(got[t, m, c, kvs[0]])})
+                            "runs": [r[0] for r in got[t, m, c, k]],
+                            "x_first_method": tps / base,
+                            "sustained_tokens_per_s": sus,
+                            "sustained_runs": [r[1] for r in got[t, m, c, k]],
+                            "sustained_x_first_method": None if sus is None else sus / base_s,
+                            "x_first_prefix_cache": tps / med(m, caches[0]),
+                            "x_first_kv_cache_dtype": tps / med(m, c, kvs[0])})
                         print(json.dumps(rows[-1]), file=sys.stderr)
     result = {"command": "python benchmarks/engine_load.py " + " ".join(argv or sys.argv[1:]),
               "threads": args.threads, "rows": rows}
     print(f"Command: `{result['command']}`\n")
     print(f"| streams | temperature | method | prefix cache MiB | KV cache | tokens/s | "
-          f"x {methods[0]} | x prefix cache {caches[0]:g} | x KV cache {kvs[0]} |\n"
-          f"|---|---|---|---|---|---|---|---|---|")
+          f"x {methods[0]} | sustained tokens/s | x {methods[0]} | x prefix cache "
+          f"{caches[0]:g} | x KV cache {kvs[0]} |\n"
+          f"|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        sus = r["sustained_tokens_per_s"]
+        sus_cols = ("- | -" if sus is None else
+                    f"{sus:.0f} | {r['sustained_x_first_method']:.2f}")
         print(f"| {r['concurrency']} | {r['temperature']:g} | {r['method']} | "
               f"{r['prefix_cache_mb']:g} | {r['kv_cache_dtype']} | {r['tokens_per_s']:.0f} | "
-              f"{r['x_first_method']:.2f} | {r['x_first_prefix_cache']:.2f} | "
+              f"{r['x_first_method']:.2f} | {sus_cols} | {r['x_first_prefix_cache']:.2f} | "
               f"{r['x_first_kv_cache_dtype']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

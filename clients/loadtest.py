@@ -30,7 +30,8 @@ These flags are stable: the compose ``loadgen`` service and the batching work ca
   SSE chunks; ``--no-stream`` sends plain requests (end-to-end latency only).
 
 Live progress goes to stderr (``--quiet``: none). The report -- text, or ``--json`` --
-gives throughput (requests/s, generated tokens/s over all requests), p50/p90/p99 of time
+gives throughput (requests/s, generated tokens/s over all requests, and -- streaming --
+the tokens/s while every user still had a request in flight, ``sustained_rate``), p50/p90/p99 of time
 to first token, inter-token latency and end-to-end latency, errors by status (HTTP status,
 ``timeout``, ``transport``, ``stream_error``, ``bad_response``), and per method the
 speculation figures summed over its responses' ``speculation`` objects:
@@ -135,6 +136,7 @@ class Outcome:
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
     spec: dict | None = None
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (when, tokens) a chunk
 
 
 def speculation(item: str) -> dict:
@@ -218,6 +220,7 @@ async def _streamed(client: httpx.AsyncClient, path: str, body: dict, out: Outco
                 else:
                     out.itl += [(now - last) / n] * n
                 last, counted = now, counted + n
+                out.arrivals.append((now, n))
             if chunk.get("speculation"):
                 out.spec = chunk["speculation"]
             if chunk.get("usage"):
@@ -257,10 +260,13 @@ async def run_loadtest(config: LoadConfig, progress: TextIO | None = None,
     deadline = None if config.duration is None else time.monotonic() + config.duration
     outcomes: list[Outcome] = []
     issued = 0
+    idle_from: list[float] = []  # when the first user found nothing more to send
 
     def next_request() -> tuple[str, str, int | None] | None:
         nonlocal issued
         if issued >= config.requests or (deadline is not None and time.monotonic() >= deadline):
+            if not idle_from:
+                idle_from.append(time.perf_counter())
             return None
         i, issued = issued, issued + 1
         m = len(config.methods)
@@ -299,7 +305,20 @@ async def run_loadtest(config: LoadConfig, progress: TextIO | None = None,
             await client.aclose()
     if progress is not None:
         _progress_line(progress, outcomes, issued, config, elapsed, final=True)
-    return report(config, outcomes, elapsed)
+    sustained = (sustained_rate(outcomes, start, idle_from[0])
+                 if idle_from and idle_from[0] > start else None)
+    return report(config, outcomes, elapsed, sustained)
+
+
+def sustained_rate(outcomes: list[Outcome], start: float, end: float) -> float | None:
+    """Generated tokens/s of the streamed chunks that arrived from ``start`` until ``end``,
+    when the first user found no request left to send: until then every user had one in
+    flight. The run's own figure is over its whole time, the last requests' tail included,
+    where users fall idle one by one; with equal requests a method that ends some of them
+    early (a drafter whose copies come sporadically) frees users only there, so its saved
+    steps count only in this one. None when nothing streamed arrived."""
+    got = [n for o in outcomes if o.status == 200 for t, n in o.arrivals if t <= end]
+    return sum(got) / (end - start) if got else None
 
 
 def server_root(url: str) -> str:
@@ -364,7 +383,8 @@ def method_figures(outcomes: list[Outcome]) -> dict:
     }
 
 
-def report(config: LoadConfig, outcomes: list[Outcome], elapsed: float) -> dict:
+def report(config: LoadConfig, outcomes: list[Outcome], elapsed: float,
+           sustained: float | None = None) -> dict:
     ok = [o for o in outcomes if o.status == 200]
     tokens = sum(o.tokens for o in ok)
     config_out = {k: v for k, v in asdict(config).items() if k not in ("api_key", "prompts")}
@@ -374,7 +394,8 @@ def report(config: LoadConfig, outcomes: list[Outcome], elapsed: float) -> dict:
         "duration_s": elapsed,
         "throughput": {"requests_per_s": len(ok) / elapsed if elapsed else 0.0,
                        "generated_tokens": tokens,
-                       "generated_tokens_per_s": tokens / elapsed if elapsed else 0.0},
+                       "generated_tokens_per_s": tokens / elapsed if elapsed else 0.0,
+                       "sustained_tokens_per_s": sustained},
         "latency_s": {"ttft": percentiles([o.ttft for o in ok if o.ttft is not None]),
                       "inter_token": percentiles([t for o in ok for t in o.itl]),
                       "e2e": percentiles([o.e2e for o in ok])},
@@ -402,7 +423,9 @@ def render(r: dict) -> str:
         f"requests: {r['requests']['ok']} ok, {r['requests']['failed']} failed in "
         f"{r['duration_s']:.1f} s",
         f"throughput: {t['requests_per_s']:.2f} requests/s, "
-        f"{t['generated_tokens_per_s']:.1f} generated tokens/s ({t['generated_tokens']} tokens)",
+        f"{t['generated_tokens_per_s']:.1f} generated tokens/s ({t['generated_tokens']} tokens)"
+        + ("" if t.get("sustained_tokens_per_s") is None else
+           f"; {t['sustained_tokens_per_s']:.1f} while every user was busy"),
         f"time to first token: {_ms(lat['ttft'], missing)}",
         f"inter-token latency: {_ms(lat['inter_token'], missing)}",
         f"end-to-end latency:  {_ms(lat['e2e'], 'no request succeeded')}",

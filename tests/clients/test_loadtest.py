@@ -42,6 +42,10 @@ def test_streaming_mix_of_methods(live):
         (lookup["accepted"] + lookup["target_passes"]) / lookup["target_passes"])
     assert "12/12 done" in progress.getvalue()
     assert "prompt_lookup" in loadtest.render(r)
+    # 12 requests for 4 users: until the first user found none left, every user was busy
+    sustained = r["throughput"]["sustained_tokens_per_s"]
+    assert sustained is not None and sustained > 0
+    assert "while every user was busy" in loadtest.render(r)
 
 
 def test_each_stream_keeps_its_connection(live, monkeypatch):
@@ -68,6 +72,7 @@ def test_cli_not_streaming_json(live, capsys):
                    "--no-stream", "--max-tokens", "8", "--json", "--quiet",
                    "--methods", "early_exit:exit_layer=1", "--endpoint", "chat"])
     r = json.loads(capsys.readouterr().out)
+    assert r["throughput"]["sustained_tokens_per_s"] is None  # nothing streamed
     assert r["requests"]["ok"] == 4
     assert r["latency_s"]["ttft"] is None and r["latency_s"]["inter_token"] is None
     ordered(r["latency_s"]["e2e"])
@@ -124,3 +129,14 @@ def test_percentiles_are_ordered(xs):
     p = percentiles(xs)
     assert min(xs) <= p["p50"] <= p["p90"] <= p["p99"] <= max(xs)
     assert p["n"] == len(xs)
+
+
+def test_sustained_rate_counts_the_chunks_until_the_first_user_fell_idle():
+    def outcome(status, arrivals):
+        return loadtest.Outcome("none", status, 1.0, arrivals=arrivals)
+
+    outcomes = [outcome(200, [(1.0, 1), (2.0, 3), (3.5, 2)]),
+                outcome(200, [(1.5, 2), (2.5, 4)]),
+                outcome(500, [(1.2, 7)])]  # a failed request's tokens are not counted
+    assert loadtest.sustained_rate(outcomes, 0.5, 3.0) == (1 + 3 + 2 + 4) / 2.5
+    assert loadtest.sustained_rate(outcomes, 0.0, 0.8) is None  # nothing arrived yet
