@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from nodraft.engine.launch import EngineConfig
+from nodraft.engine.launch import KV_CACHE_DTYPES, EngineConfig
 from nodraft.micro import CHECKPOINT_DIR
 
 
@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         64.0, ge=0, description="per model, MiB of prompt blocks kept after their prefill: a "
         "prompt that starts with kept blocks (a system prompt, the turns of a conversation "
         "so far, a repeated request) copies their rows instead of computing them; 0: off")
-    kv_cache_dtype: Literal["float32", "float16"] = Field(
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(
         "float32", description="the KV cache's element type: float32 (the model's own) or "
         "float16, which halves the bytes a batch's attention reads from memory and rounds "
         "every cached key and value to half precision, so outputs may differ from "

@@ -498,16 +498,16 @@ std::tuple<at::Tensor, at::Tensor> packed_block(
   const int64_t* pp = positions(pos, N, cos, sin, c.D);
   at::Tensor x = h_in.contiguous().clone();
   at::Tensor logits = at::empty({w.head ? R : 0, w.V}, x.options());
-  float* out = w.head ? logits.data_ptr<float>() : nullptr;
+  auto run = [&](auto* k, auto* v) {  // over the cache's element
+    layers(x.data_ptr<float>(), N, C, pp, segs, w, k, v, c.S, c.H, c.M, c.D, lo,
+           cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(eps),
+           w.head ? logits.data_ptr<float>() : nullptr);
+  };
   if (N > 0 && c.half)
-    layers(x.data_ptr<float>(), N, C, pp, segs, w,
-           reinterpret_cast<half_t*>(kc.data_ptr<at::Half>()),
-           reinterpret_cast<half_t*>(vc.data_ptr<at::Half>()), c.S, c.H, c.M, c.D, lo,
-           cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(eps), out);
+    run(reinterpret_cast<half_t*>(kc.data_ptr<at::Half>()),
+        reinterpret_cast<half_t*>(vc.data_ptr<at::Half>()));
   else if (N > 0)
-    layers(x.data_ptr<float>(), N, C, pp, segs, w, kc.data_ptr<float>(), vc.data_ptr<float>(),
-           c.S, c.H, c.M, c.D, lo, cos.data_ptr<float>(), sin.data_ptr<float>(),
-           static_cast<float>(eps), out);
+    run(kc.data_ptr<float>(), vc.data_ptr<float>());
   return {x, logits};
 }
 
