@@ -29,7 +29,12 @@ signals each is judged on:
   start at the longest rest (``FRESH_RESTS``): there, on the workload suite, no cheap
   drafter paid in any category, while at 0.7 copies accepted whole do pay where the text
   repeats. The passes it rests are plain decoding, and a rested step skips auto's own
-  bookkeeping: an asked step costs tens of microseconds of auto's work and a slower pass
+  bookkeeping -- where no copy is watched for (below) and no candidate keeps per-step
+  state, the sequence does not call auto at all until the rest ends (``resting``): the
+  steps cost what plain decoding's do, and a batch's plan leaves them out. (In a batch
+  the engine asks auto only at steps its plan gives a draft or a probe: a rest auto
+  counts itself, while it watches for a copy, counts those; one the sequence counts, its
+  steps.) An asked step costs tens of microseconds of auto's work and a slower pass
   after it, on a step of a few hundred, and under sampling nothing pays at most steps.
   The rest lengths are the server's, per regime: a request goes on from where the
   server's requests left them since a draft last paid (``server_pause``). A copy that
@@ -203,6 +208,8 @@ class Auto(DrafterBase):
         self._asked = False  # this step asked the candidates
         self._first = False  # this step is the first asked
         self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
+        self.resting = 0  # rested steps the sequence declines for auto (``propose``) ...
+        self._quiet_from: int | None = None  # ... from the step with this many tokens
 
     def candidates(self, names: list[str] | None = None) -> dict[str, object]:
         """The candidate drafters built so far, the cheap ones built now if they were not
@@ -420,6 +427,9 @@ class Auto(DrafterBase):
 
     # -- the drafter protocol -------------------------------------------------------------
     def propose(self, ctx: DraftContext, budget: int) -> Draft:
+        if self._quiet_from is not None:  # the steps the sequence ran without telling us
+            self.step += len(ctx.tokens) - self._quiet_from  # (one token each)
+            self._quiet_from = None
         if self._timing is not None:
             self._learn_overhead(ctx)
         if not self.seeded:
@@ -429,6 +439,13 @@ class Auto(DrafterBase):
                 self._wake, self._wake_stale = self._wake_lengths(), False
             if self._wake is None or not self._copy_now(ctx):  # unless a copy that pays starts
                 self.rest -= 1  # (``observe`` left ``_asked``, ``proposals``, ``last`` empty)
+                # with no copy to watch for and no candidate keeping per-step state, the
+                # rest's steps need nothing of auto: the sequence declines them for it
+                # (``resting``) and runs them at plain decoding's cost
+                self.resting = 0
+                if self.rest and self._wake is None and not self.observers:
+                    self.resting, self.rest = self.rest, 0
+                    self._quiet_from = len(ctx.tokens)
                 return NOT_LOOKED
             self.rest = 0
         self._asked = True

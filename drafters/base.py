@@ -242,6 +242,12 @@ class Drafter(Protocol):
       start, before it admits anything waiting; the KV slot is not yet reused then;
     - ``idle_method``: the method a pass the engine runs without consulting the drafter
       belongs to (``auto``'s undrafted passes are ``none``'s); None: the drafter's own.
+    - ``resting``: read right after ``propose`` returned ``Draft.not_looked()``: how many
+      of the sequence's next steps the drafter declines as well, needing neither
+      ``propose`` nor ``observe`` for them nor for that step. The sequence runs them as
+      plain decoding's (a budget of 0: a batch's plan leaves them out) without calling it
+      (``auto`` resting: steps nothing can change, at ``none``'s cost); each emits exactly
+      one token. 0 (the default): asked, and told of every step, as usual.
     """
 
     name: str
@@ -261,6 +267,7 @@ class DrafterBase:
 
     name: str = ""
     idle_method: str | None = None
+    resting: int = 0
 
     @dataclass(frozen=True)
     class Params:

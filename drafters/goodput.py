@@ -154,6 +154,7 @@ class PassFit:
     PRIOR = PassCoefficients(1.5e-3, 8e-5, 3e-4, 4e-5, 8e-5)
     SCALE = (1.0, 32.0, 4.0, 32.0, 16.0)  # a typical pass's regressors: the prior's pseudo-pass
     PRIOR_PASSES = 0.01
+    REFIT_EVERY = 32  # passes between refits, at most (``coefficients``)
 
     def __init__(self, prior: PassCoefficients | None = None, window: int = 256):
         self.prior = prior or self.PRIOR
@@ -175,7 +176,11 @@ class PassFit:
         n = len(self.samples)
         if n < 8:
             return self.prior
-        if self._fit is None or self._seen - self._fitted_at >= 8:  # refit every 8 passes
+        # refit after 8 passes, then after as many passes again as had been seen, at most
+        # every ``REFIT_EVERY``: a fit is over ``window`` passes, and each costs a few
+        # hundred microseconds on a step of a few
+        if self._fit is None or self._seen - self._fitted_at >= min(self.REFIT_EVERY,
+                                                                    max(8, self._fitted_at)):
             self._fit, self._fitted_at = self._solve(), self._seen
         return self._fit
 

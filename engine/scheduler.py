@@ -130,7 +130,10 @@ class DraftScheduler:
                prefill_rows: int = 0) -> list[int]:
         """Draft budgets for sequences given (state, method, own max) each; ``rows`` are
         the pass's decode rows besides drafts (one per stepping sequence), ``prefill_rows``
-        its prompt rows."""
+        its prompt rows. Where no sequence may draft (plain decoding's, or drafters that
+        declined this step in advance) nothing is planned, priced or probed."""
+        if all(kmax <= 0 for _, _, kmax in states):  # none may draft (plain decoding's)
+            return [0] * len(states)
         co = self.timer.coefficients
         base_tokens = float(len(states))
         base_time = (co.a + co.b * rows + co.prefill * prefill_rows

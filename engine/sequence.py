@@ -124,6 +124,10 @@ class Sequence:
         self._reused = 0.0  # early exit's last pass: the share of layers it reused
         self.asked = False  # the last ``propose`` asked the drafter
         self._idle_draft: Draft | None = None  # what a step the drafter is not asked sends
+        # steps the drafter declined in advance (its ``resting``), and whether it is told of
+        # this step (``observe``): not while it rests so
+        self._quiet = 0
+        self._silent = False
         # the owner closes the drafter itself once the last outputs are out (``close``);
         # else ``finish`` does
         self.defer_close = False
@@ -195,7 +199,7 @@ class Sequence:
     def budget(self) -> int:
         """Draft tokens this step may carry: leave room for the bonus token, within
         max_tokens and the context."""
-        if self._never_drafts:  # plain decoding: nothing to plan
+        if self._never_drafts or self._quiet:  # plain decoding, or a resting drafter's
             return 0
         room = min(self.max_tokens - self.generated, self.cache.max_len - len(self.tokens))
         return max(0, min(self.max_draft, room - 1))
@@ -203,6 +207,11 @@ class Sequence:
     def propose(self, limit: int | None = None) -> Draft:
         """The drafter's draft for this step, within ``budget()`` and ``limit`` (the
         scheduler's share under batching; 0 = do not draft this step)."""
+        if self._quiet:  # declined in advance (``resting``): neither asked nor told
+            self._quiet -= 1
+            self.asked, self._silent = False, True
+            return self._idle()
+        self._silent = False
         budget = self.budget() if limit is None else min(limit, self.budget())
         self.asked = budget > 0  # whether the drafter is asked this step (and looks)
         if budget == 0:  # not consulted
@@ -218,6 +227,8 @@ class Sequence:
                 self._draft_s += time.perf_counter() - t0
         if draft is NOT_LOOKED:  # the drafter chose not to look: as if not consulted
             self.asked = False
+            self._quiet = hook(self.drafter, "resting", 0)  # and maybe not at the next ones
+            self._silent = self._quiet > 0
             return self._idle()
         if len(draft) > budget:
             draft = draft.prefix(budget)
@@ -334,13 +345,14 @@ class Sequence:
             finish = "length"
         if finish is None and len(self.tokens) >= self.cache.max_len:
             finish = "length"  # the context is full
-        t0 = time.perf_counter()
-        try:
-            self.drafter.observe(self.ctx, accepted)
-        except Exception:
-            self._drafter_error(method)
-        if self._timed:  # the drafter's bookkeeping is its cost too: the next pass's
-            self._draft_s += time.perf_counter() - t0
+        if not self._silent:
+            t0 = time.perf_counter()
+            try:
+                self.drafter.observe(self.ctx, accepted)
+            except Exception:
+                self._drafter_error(method)
+            if self._timed:  # the drafter's bookkeeping is its cost too: the next pass's
+                self._draft_s += time.perf_counter() - t0
         if finish is not None:
             self.finish(finish)
         rejected = _rejected_branch(draft, path) if len(draft) else []

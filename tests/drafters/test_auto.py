@@ -291,8 +291,14 @@ def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays(
     # where they reached the longest, a new request rests from its first step, unasked
     shared["auto_pause"]["t>0.85"] = REST_MAX
     rested = Auto(p, drafter_env(MODEL, shared))
-    assert rested.propose(ctx, 8) is NOT_LOOKED and rested.rest == REST_MAX - 1
+    assert rested.propose(ctx, 8) is NOT_LOOKED
+    # nothing to watch for: the rest's other steps are declined by the sequence for it,
+    # and counted when it is next asked (one token each)
+    assert rested.resting == REST_MAX - 1 and rested.rest == 0
     assert rested.drafters and not rested.proposals  # its candidates built, none asked
+    step = rested.step
+    rested.propose(_ctx(ctx.tokens + [9] * REST_MAX), 8)
+    assert rested.step == step + REST_MAX and rested.proposals  # asked
     auto.rest = 0
     auto.est[key] = Acceptance(40.0, 0.5)  # mostly accepted
     assert len(auto.propose(ctx, 8))
@@ -318,7 +324,8 @@ def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
     assert auto.est[copy].alpha >= COPIES_PAY and copy in auto.copies_pay
     # ... but the rests go on while no 2 tokens at the context's end occurred before
     auto.rest = 8
-    assert auto.propose(ctx, 8) is NOT_LOOKED and auto.rest == 7
+    # watching for that copy, auto keeps counting its rest itself (asked every step)
+    assert auto.propose(ctx, 8) is NOT_LOOKED and auto.rest == 7 and auto.resting == 0
     ctx.tokens += [9, 11]  # [9 11] occurred before: the copy's first step is asked at
     draft = auto.propose(ctx, 8)
     assert draft is not NOT_LOOKED and auto.rest == 0

@@ -162,6 +162,42 @@ def test_the_pass_timer_prices_drafting_sequences_draft_tokens_and_prompt_rows_a
     assert co == pytest.approx((0.001, 8e-5, 4e-4, 3e-5, 1e-4), rel=2e-2)
 
 
+def test_the_pass_timer_refits_soon_then_every_32_passes():
+    """A fresh timer's first fits come after 8 and 16 passes; from then on a refit (a
+    least-squares solve over the window) comes at most every ``REFIT_EVERY`` passes, read
+    every pass as the plan reads it."""
+    t = PassFit()
+    solve, at = t._solve, []
+
+    def counted():
+        at.append(t._seen)
+        return solve()
+
+    t._solve = counted
+    for i in range(200):
+        t.observe(8 + i % 5, 1e-3 + 1e-4 * (8 + i % 5))
+        t.coefficients
+    assert at == [8, 16, 32, 64, 96, 128, 160, 192]
+    assert t.coefficients.b == pytest.approx(1e-4, rel=1e-2)
+
+
+def test_a_pass_of_plain_decoding_alone_is_not_planned():
+    """Where no sequence has a draft budget (plain decoding's, or drafters resting), the
+    plan returns at once: no fit of the pass timer read, no probes counted."""
+    s = DraftScheduler()
+
+    class Unread(PassFit):
+        @property
+        def coefficients(self):
+            raise AssertionError("read")
+
+    s.timer = Unread()
+    states = [(s.state_for("none", 0.8), "none", 0) for _ in range(4)]
+    assert s.limits(states, 4) == [0, 0, 0, 0] and not s.pooled_idle
+    with pytest.raises(AssertionError, match="read"):
+        s.limits(states[:3] + [(s.state_for("x", 0.8), "x", 4)], 4)
+
+
 def test_the_pass_timer_never_trades_a_negative_cost_for_a_huge_one():
     """Passes whose time falls as their sequences grow (the end of a load, noise): an
     unconstrained fit gives a negative per-sequence cost; held at its floor, the others
@@ -352,12 +388,13 @@ class Recording(DraftEverything):
         super().observe_propose(method, seconds)
 
 
-def _two_sampled(drafter) -> tuple[Recording, list[str]]:
+def _two_sampled(drafter, plan: type = Recording) -> tuple[Recording, list[str]]:
     """Two sampled requests decoded with ``drafter`` (a class), both waiting before the
-    engine starts, so every step is a packed one: (the plan, every step's method)."""
+    engine starts, so every step is a packed one: (the plan, a ``plan``, every step's
+    method)."""
     engine = float64_engine(max_running=2)
     engine.registry.register(drafter.name, drafter)
-    engine.scheduler = Recording()
+    engine.scheduler = plan()
     reqs = [GenerationRequest("micro", [1 + i, 2, 3, 4], 6, method=drafter.name,
                               params=drafter.Params(),
                               sampling=SamplingParams(temperature=0.8, seed=i))
@@ -419,6 +456,44 @@ def test_a_drafter_that_did_not_look_is_neither_refused_nor_timed():
     assert plan.seen and set(plan.seen) == {(0, 0)}
     assert plan.timed == []
     assert set(methods) == {"none"}
+
+
+def test_a_resting_drafter_is_left_out_of_the_plan_for_the_steps_it_declined():
+    """In packed passes too, a drafter that declined its next steps in advance
+    (``resting``) is neither asked nor told of them, and its sequence has no draft budget
+    for the plan then (as plain decoding's)."""
+    from nodraft.drafters.base import Draft, DrafterBase
+
+    calls: list[tuple[str, int, int]] = []  # (what, request's first prompt token, tokens)
+
+    class Resting(DrafterBase):
+        name = "resting3"
+        idle_method = "none"
+
+        def propose(self, ctx, budget):
+            calls.append(("propose", ctx.tokens[0], len(ctx.tokens)))
+            self.resting = 3
+            return Draft.not_looked()
+
+        def observe(self, ctx, accepted):
+            calls.append(("observe", ctx.tokens[0], len(ctx.tokens)))
+
+    budgets: list[list[int]] = []
+
+    class Planned(Recording):
+        def limits(self, states, rows, prefill_rows=0):
+            budgets.append([kmax for _, _, kmax in states])
+            return super().limits(states, rows, prefill_rows)
+
+    _, methods = _two_sampled(Resting, Planned)
+    assert set(methods) == {"none"}
+    for first in (1, 2):  # each request (6 tokens): the prefill's first token told; asked
+        # at the next step, which declines the 3 after it; the last, with no room for a
+        # draft, not asked and told
+        mine = [(what, n) for what, f, n in calls if f == first]
+        assert mine == [("observe", 5), ("propose", 5), ("observe", 10)], mine
+    # the two sequences' budgets: 0 on the steps they rest
+    assert [0, 0] in budgets and any(k > 0 for ks in budgets for k in ks)
 
 
 def test_a_sampled_kind_probes_less_often_with_a_drafter_slow_to_ask():

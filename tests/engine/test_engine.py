@@ -44,6 +44,46 @@ def test_a_drafter_that_raises_is_contained():
     assert seq.stats.drafter_errors == drafter.calls // 2 > 0 and seq.finish_reason == "length"
 
 
+class Resting:
+    """Declines every step (``Draft.not_looked``), and every other time the next 3 as well
+    (``resting``); records the token count at each call."""
+
+    name = "resting"
+    idle_method = "none"
+
+    def __init__(self):
+        self.asked: list[int] = []
+        self.told: list[int] = []
+        self.resting = 0
+
+    def propose(self, ctx, budget):
+        self.asked.append(len(ctx.tokens))
+        self.resting = 3 if len(self.asked) % 2 else 0
+        return Draft.not_looked()
+
+    def observe(self, ctx, accepted):
+        self.told.append(len(ctx.tokens))
+
+
+def test_a_resting_drafter_is_neither_asked_nor_told_of_the_steps_it_declined():
+    """After a ``not_looked`` draft with ``resting`` n, the sequence runs that step and the
+    next n as plain decoding's without calling the drafter at all (``auto`` resting), then
+    asks it again; with ``resting`` 0 it is told of the step as usual. The text is plain
+    decoding's, greedy and seeded."""
+    prompt = [5, 6, 7]
+    for sampling in (SamplingParams(), SamplingParams(0.9, seed=4)):
+        drafter = Resting()
+        out, seq, steps = generate(MODEL, prompt, 12, drafter=drafter, sampling=sampling)
+        assert out == generate(MODEL, prompt, 12, sampling=sampling)[0]
+        P = len(prompt)
+        # the prefill's first token is told; asked at P+1 (resting 3): P+2..P+4 not called;
+        # asked at P+5 (resting 0: told), P+6 (resting 3), then P+10; the last step has no
+        # room for a draft (not asked, told)
+        assert drafter.asked == [P + 1, P + 5, P + 6, P + 10]
+        assert drafter.told == [P + 1, P + 6, P + 11, P + 12]
+        assert {r.method for r in steps} == {"none"} and seq.stats.drafted == 0
+
+
 def test_figures_follow_the_definitions():
     prompt = [1, 2, 3, 4] * 6
     out, seq, steps = generate(MODEL, prompt, 30, "prompt_lookup")
