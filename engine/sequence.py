@@ -227,7 +227,11 @@ class Sequence:
                 self._draft_s += time.perf_counter() - t0
         if draft is NOT_LOOKED:  # the drafter chose not to look: as if not consulted
             self.asked = False
-            self._quiet = hook(self.drafter, "resting", 0)  # and maybe not at the next ones
+            try:  # and maybe not at the next ones either
+                self._quiet = max(0, int(hook(self.drafter, "resting", 0) or 0))
+            except (TypeError, ValueError):  # a plugin's nonsense: contained, as a raise is
+                self._quiet = 0
+                self._drafter_error(self.method)
             self._silent = self._quiet > 0
             return self._idle()
         if len(draft) > budget:

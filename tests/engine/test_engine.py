@@ -82,6 +82,12 @@ def test_a_resting_drafter_is_neither_asked_nor_told_of_the_steps_it_declined():
         assert drafter.asked == [P + 1, P + 5, P + 6, P + 10]
         assert drafter.told == [P + 1, P + 6, P + 11, P + 12]
         assert {r.method for r in steps} == {"none"} and seq.stats.drafted == 0
+    # a plugin's ``resting`` that is no count is contained like a drafter that raises
+    class Nonsense(Resting):
+        resting = property(lambda self: "soon", lambda self, value: None)
+
+    out, seq, _ = generate(MODEL, prompt, 6, drafter=Nonsense())
+    assert out == generate(MODEL, prompt, 6)[0] and seq.stats.drafter_errors > 0
 
 
 def test_figures_follow_the_definitions():
