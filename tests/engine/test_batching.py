@@ -390,8 +390,8 @@ class Recording(DraftEverything):
 
 def _two_sampled(drafter, plan: type = Recording) -> tuple[Recording, list[str]]:
     """Two sampled requests decoded with ``drafter`` (a class), both waiting before the
-    engine starts, so every step is a packed one: (the plan, a ``plan``, every step's
-    method)."""
+    engine starts, so every step is a packed one: (the engine's plan, of class ``plan``;
+    every step's method)."""
     engine = float64_engine(max_running=2)
     engine.registry.register(drafter.name, drafter)
     engine.scheduler = plan()
