@@ -12,7 +12,8 @@ suite's rows resolve (each row's ratio spreads several per cent). Here each work
 decodes every prompt of the suite (``nodraft.clients.bench.build_prompts``, two per
 category) ``--repeats`` times at ``--regime``, each repeat a pair -- ``none``, then
 ``auto`` from a fresh server state, the same seed (the same text, checked) -- and reports
-the median of all pairs' ``none`` seconds over ``auto`` seconds, and their mean. Compiled
+the median of all pairs' ``none`` seconds over ``auto`` seconds, and their mean
+(``clients.measure.alternated``'s pairs, prompt by prompt). Compiled
 passes (``Micro.compile``), one thread, each method's first decode of a prompt untimed,
 then the heap frozen (``freeze_heap``), as ``nodraft bench`` runs them.
 
@@ -38,20 +39,17 @@ except ImportError:  # imported as benchmarks.auto_idle
 
 def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int) -> list[float]:
     """For each prompt and repeat, ``none``'s decode seconds over ``auto``'s (a fresh
-    server's state), the same seeded sampling; raises if their texts differ."""
+    server's state), the same seeded sampling: ``clients.measure.alternated``'s pairs, as
+    ``nodraft bench`` makes them (it raises if their texts differ)."""
     from nodraft.clients.bench import regime_sampling
-    from nodraft.clients.measure import decode
+    from nodraft.clients.measure import alternated
 
     out = []
-    for r in range(repeats):
-        for p in prompts:
-            sp, stops = regime_sampling(regime, r), frozenset(p.get("stop_ids", ()))
-            base = decode(model, p["ids"], tokens, "none", sampling=sp, stop_ids=stops)
-            run = decode(model, p["ids"], tokens, "auto", shared={}, sampling=sp,
-                         stop_ids=stops)
-            if run.tokens != base.tokens:
-                raise AssertionError(f"auto changed the text (seed {sp.seed})")
-            out.append(base.seconds / run.seconds)
+    for p in prompts:
+        runs = alternated(model, p["ids"], tokens, "auto", repeats=repeats,
+                          sampling=lambda r: regime_sampling(regime, r),
+                          stop_ids=frozenset(p.get("stop_ids", ())))
+        out += [base.seconds / run.seconds for base, run in runs]
     return out
 
 

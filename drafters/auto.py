@@ -33,8 +33,8 @@ signals each is judged on:
   state, the sequence does not call auto at all until the rest ends (``resting``): the
   steps cost what plain decoding's do, and a batch's plan leaves them out. (In a batch
   the engine asks auto only at steps its plan gives a draft or a probe: a rest auto
-  counts itself, while it watches for a copy, counts those; one the sequence counts, its
-  steps.) An asked step costs tens of microseconds of auto's work and a slower pass
+  counts itself -- while it watches for a copy -- counts those asks; a rest handed to the
+  sequence counts steps.) An asked step costs tens of microseconds of auto's work and a slower pass
   after it, on a step of a few hundred, and under sampling nothing pays at most steps.
   The rest lengths are the server's, per regime: a request goes on from where the
   server's requests left them since a draft last paid (``server_pause``). A copy that
