@@ -10,9 +10,9 @@ Two worker processes, one per checkout (``checkouts.checkout_env``: each its own
 build folder), each on the last core, hold micro's trained weights laid out by their own
 ``gemm.pack``, a 64-slot cache filled from one seed, and the same inputs. Rounds alternate
 the workers (after, before; then before, after); in a round a worker times every shape:
-runs of 10 passes, the median of 9 runs. Shapes: a lone decode step at 300 cached rows, 8
-and 32 sequences' decode steps at 100 and 300 cached rows each, and 8 sequences' 5-row
-blocks at 100. Reported per shape: the median over rounds of each checkout's microseconds
+runs of 10 passes, the median of 9 runs. Shapes: a lone sequence's decode step and its 2-,
+3- and 5-row blocks (a draft's verification) at 300 cached rows, 8 and 32 sequences'
+decode steps at 100 and 300 cached rows each, and 8 sequences' 5-row blocks at 100. Reported per shape: the median over rounds of each checkout's microseconds
 per pass, their range, and after / before.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
@@ -34,7 +34,8 @@ except ImportError:  # imported as benchmarks.block_ab
     from benchmarks.checkouts import alternate
     from benchmarks.weight_layout import weights
 
-SHAPES = [(1, 1, 300), (8, 1, 100), (8, 1, 300), (32, 1, 100), (32, 1, 300), (8, 5, 100)]
+SHAPES = [(1, 1, 300), (1, 2, 300), (1, 3, 300), (1, 5, 300), (8, 1, 100), (8, 1, 300),
+          (32, 1, 100), (32, 1, 300), (8, 5, 100)]
 RUN, RUNS = 10, 9
 
 

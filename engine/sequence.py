@@ -288,9 +288,9 @@ class Sequence:
             self._reused = E / m.config.n_layers  # for its price: layers below E were reused
             return m.verify_from(h, self.cache, self.slot, n, E)
         if draft.parents is None and not draft.n_aux:  # a chain: positions and mask implied
-            ids = torch.tensor([self.tokens[-1], *draft.token_list])
             self.ctx.aux_logits = None
-            return m.verify_pass(ids, self.cache, self.slot, n)
+            return m.verify_chain([self.tokens[-1], *draft.token_list], self.cache, self.slot,
+                                  n)
         ids, pos, tree_mask = self.block(draft)
         logits, hidden = m.verify_pass(ids, self.cache, self.slot, n, pos, tree_mask)
         return self.split(logits, hidden, k)

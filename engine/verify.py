@@ -227,7 +227,7 @@ def accept(logits: Tensor, draft: Draft, sp: SamplingParams,
         if targets is not None:                                     # own token
             return [], targets[0]
         if sp.greedy:
-            return [], greedy_tokens(logits[:1])[0]
+            return [], greedy_tokens(logits)[0]
         return [], race_rows(logits, sp, noise, [pos])[0]
     tokens = draft.token_list
     children = children_of(draft) if len(tokens) else [[]]

@@ -296,6 +296,23 @@ class CompiledPasses:
             args = self._block_args[(lo, hi, head)] = (norms, mats)
         return args
 
+    @inference
+    def chain(self, tokens: list[int], cache, slot: int, start: int
+              ) -> tuple[Tensor, Tensor] | None:
+        """A chain of ``tokens`` at consecutive positions from ``start``, causal, through
+        every layer and the head by ``nodraft::chain`` (their embeddings looked up in the
+        call): the final residual stream (T, dim) and logits (T, V), the same bits as
+        ``run`` gives over their embeddings; keys and values written to rows [start,
+        start + T). None where ``nodraft::block`` does not serve (``block_serves``, decided
+        as ``run`` decides it) or the cache is not one it reads: the caller runs ``run``."""
+        if not (self.block_serves() and _block_reads(cache)):
+            return None
+        norms, mats = self._block_weights(0, self.model.config.n_layers, True)
+        m = self.model
+        return torch.ops.nodraft.chain.default(
+            tokens, m.tok_embeddings.weight, m.rope_cos, m.rope_sin, norms, mats, cache.k,
+            cache.v, slot, start, m.config.norm_eps)
+
     def _run_block(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int,
                    start: int, mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None]:
         args = self._block_weights(lo, hi, head)

@@ -4,7 +4,9 @@ A decode step multiplies 1 row by each weight matrix; a verification pass 2-17. 
 sgemm, which ``torch.mm`` calls, is built for large products: a 2-row product costs far
 more than a 1-row one though every row reads the same weights. ``csrc/gemm.cpp`` holds a
 tile of a few rows by a block of columns in registers and reads each weight once for all
-of its rows: up to 6 rows by 64 columns on AVX-512, up to 6 rows by 16 columns on AVX2.
+of its rows: up to 6 rows by 64 columns on AVX-512, up to 6 rows by 16 columns on AVX2
+(there one to three rows of a packed weight by several 16-column blocks at once, so that
+enough sums are in flight: each multiply-add of a sum waits on the one before it).
 The compiled passes and nodraft's one-call passes give it their weights packed (``pack``:
 each 16-column block contiguous, read in order, so a weight that is not in cache streams
 in instead of being fetched a 64-byte piece of a long row at a time). Whole compiled passes with each product, alternated in

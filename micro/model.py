@@ -261,6 +261,20 @@ class Micro(nn.Module):
         return logits[0], hidden[-1][0]
 
     @inference
+    def verify_chain(self, tokens: list[int], cache: KVCache, slot: int, start: int
+                     ) -> tuple[Tensor, Tensor]:
+        """``verify_pass`` over a chain given as token ids (a decode step's last token, and
+        a chain of drafts behind it): the same logits and residual stream, in one call of
+        ``nodraft::chain`` where that serves (``CompiledPasses.chain``), else through
+        ``verify_pass``."""
+        compiled = self.compiled
+        if compiled is not None:
+            done = compiled.chain(tokens, cache, slot, start)
+            if done is not None:
+                return done[1], done[0]
+        return self.verify_pass(torch.tensor(tokens), cache, slot, start)
+
+    @inference
     def prefill_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int) -> Tensor:
         """Prompt ids (T,) through every layer with their KV rows written at
         [start, start+T), each row seeing the rows before it: the final residual stream

@@ -446,6 +446,36 @@ std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& h_in, const at::Tenso
                       masks, want, lo, eps);
 }
 
+// nodraft::chain: a lone sequence's chain of tokens -- a decode step's one token, or its
+// last token and a chain of drafts -- from their ids: their rows of ``emb`` (V, C), at
+// consecutive positions from ``start``, causal, through every layer given and the head.
+// What ``block`` computes over ``torch.embedding(emb, ids)`` at those positions (the same
+// rows copied, the same sums: the same bits), without a tensor of ids, one of positions and
+// the embedding's own call around it, which a decode step otherwise makes for one token.
+std::tuple<at::Tensor, at::Tensor> chain(at::IntArrayRef ids, const at::Tensor& emb,
+                                         const at::Tensor& cos, const at::Tensor& sin,
+                                         at::TensorList norms, at::TensorList mats,
+                                         at::Tensor& kc, at::Tensor& vc, int64_t slot,
+                                         int64_t start, double eps) {
+  TORCH_CHECK(emb.dim() == 2 && emb.scalar_type() == at::kFloat && emb.is_contiguous(),
+              "nodraft::chain: emb must be a contiguous float32 (V, C) table, got ",
+              emb.sizes(), " ", emb.scalar_type());
+  const int64_t T = static_cast<int64_t>(ids.size()), V = emb.size(0), C = emb.size(1);
+  TORCH_CHECK(T >= 1, "nodraft::chain: no ids");
+  at::Tensor h = at::empty({T, C}, emb.options());
+  at::Tensor pos = at::empty({T}, emb.options().dtype(at::kLong));
+  const float* pe = emb.data_ptr<float>();
+  float* ph = h.data_ptr<float>();
+  int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < V, "nodraft::chain: token id ", ids[t],
+                " outside the table's ", V);
+    std::memcpy(ph + t * C, pe + ids[t] * C, C * sizeof(float));
+    pp[t] = start + t;
+  }
+  return block(h, pos, cos, sin, norms, mats, kc, vc, slot, start, 0, std::nullopt, eps);
+}
+
 // nodraft::packed_block: several sequences' blocks in one pass through every layer given
 // and the head: the products over all their rows at once, each block's attention over its
 // own slot. ``lengths``, ``slots``, ``starts``: each segment's rows (in order in h), slot
@@ -542,6 +572,8 @@ TORCH_LIBRARY_FRAGMENT(nodraft, m) {
   m.def("block(Tensor h, Tensor pos, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] mats, "
         "Tensor(a!) kc, Tensor(b!) vc, int slot, int start, int lo, Tensor? mask, float eps) "
         "-> (Tensor, Tensor)");
+  m.def("chain(int[] ids, Tensor emb, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] mats, "
+        "Tensor(a!) kc, Tensor(b!) vc, int slot, int start, float eps) -> (Tensor, Tensor)");
   m.def("packed_block(Tensor h, Tensor pos, Tensor cos, Tensor sin, Tensor[] norms, "
         "Tensor[] mats, Tensor(a!) kc, Tensor(b!) vc, int[] lengths, int[] slots, "
         "int[] starts, Tensor?[] masks, int[] logits, int lo, float eps) -> (Tensor, Tensor)");
@@ -549,5 +581,6 @@ TORCH_LIBRARY_FRAGMENT(nodraft, m) {
 TORCH_LIBRARY_IMPL(nodraft, CPU, m) {
   m.impl("head", &head);
   m.impl("block", &block);
+  m.impl("chain", &chain);
   m.impl("packed_block", &packed_block);
 }

@@ -149,6 +149,44 @@ void column(const float* a, int64_t M, int64_t K, const float* b, int64_t ldb, f
     m += mr;
   }
 }
+
+// MR rows by G whole packed blocks (each K * W contiguous floats, ``bs`` apart): the same
+// sums as ``tile`` over each block, in the same order, but MR * G * 2 of them in flight. A
+// sum's every multiply-add waits on the one before it, so one row by one block (two sums)
+// runs at one k per multiply-add latency; four blocks keep both FMA units busy and the
+// loads, not the latency, set the pace.
+template <int MR, int G>
+inline void wide(const float* a, int64_t K, const float* b, int64_t bs, float* c, int64_t N) {
+  __m256 acc[MR * G * 2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR * G * 2; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 av[MR];
+#pragma GCC unroll 4
+    for (int m = 0; m < MR; ++m) av[m] = _mm256_broadcast_ss(a + m * K + k);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const float* bk = b + g * bs + k * W;
+      const __m256 b0 = _mm256_loadu_ps(bk), b1 = _mm256_loadu_ps(bk + 8);
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        acc[(m * G + g) * 2] = _mm256_fmadd_ps(av[m], b0, acc[(m * G + g) * 2]);
+        acc[(m * G + g) * 2 + 1] = _mm256_fmadd_ps(av[m], b1, acc[(m * G + g) * 2 + 1]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < MR; ++m) {
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      _mm256_storeu_ps(c + m * N + g * W, acc[(m * G + g) * 2]);
+      _mm256_storeu_ps(c + m * N + g * W + 8, acc[(m * G + g) * 2 + 1]);
+    }
+  }
+}
+
+// how many whole packed blocks ``wide`` takes at once for M rows (0: ``tile`` serves)
+constexpr int64_t wide_blocks(int64_t M) { return M == 1 ? 4 : M <= 3 ? 2 : 0; }
 #endif
 
 }  // namespace
@@ -184,8 +222,28 @@ void gemm(const float* pa, int64_t M, int64_t K, const float* pb, int64_t N, boo
   });
 #else
   const int64_t blocks = (N + W - 1) / W;
+  // a few rows of a packed weight: its whole blocks G at a time (``wide``), the rest below
+  int64_t first = 0;
+  if (const int64_t G = packed ? wide_blocks(M) : 0; G && N / W >= G) {
+    const int64_t groups = N / W / G;
+    first = groups * G;
+    const int64_t grain =
+        std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * W * G));
+    at::parallel_for(0, groups, grain, [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const float* bj = pb + j * G * K * W;
+        float* cj = pc + j * G * W;
+        switch (M) {
+          case 1: wide<1, 4>(pa, K, bj, K * W, cj, N); break;
+          case 2: wide<2, 2>(pa, K, bj, K * W, cj, N); break;
+          default: wide<3, 2>(pa, K, bj, K * W, cj, N); break;
+        }
+      }
+    });
+  }
+  if (first == blocks) return;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, M * K * W));
-  at::parallel_for(0, blocks, grain, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(first, blocks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t j = lo; j < hi; ++j) {
       const int64_t n0 = j * W, w = std::min<int64_t>(W, N - n0);
       const int64_t nv = (w + 7) / 8;

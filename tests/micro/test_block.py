@@ -66,6 +66,35 @@ def test_a_block_matches_eager(pair, T, tree):
     assert cf.k[:, 0].abs().sum() == 0 and cf.k[:, 1, :, 40 + T:].abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_chain_from_its_ids_gives_the_block_s_bits(pair, dtype):
+    """``verify_chain`` (a decode step's token, or it and a chain of drafts, as token ids)
+    runs ONE ``nodraft::chain`` call: the logits, residual stream and cache rows
+    ``verify_pass`` gives over the same ids, bit for bit; a bad id is refused, the cache
+    left as it was."""
+    eager, fast = pair
+    for T in (1, 4):
+        ids = torch.randint(0, 4096, (T,), generator=torch.Generator().manual_seed(T))
+        by_pass, by_ids = _prefilled(fast, 30, dtype=dtype), _prefilled(fast, 30, dtype=dtype)
+        lp, hp = fast.verify_pass(ids, by_pass, 1, 30)
+        spare = _prefilled(fast, 30)
+        ops = _ops(lambda: fast.verify_chain(ids.tolist(), spare, 1, 30))
+        assert "nodraft::chain" in ops and "aten::embedding" not in ops
+        lc, hc = fast.verify_chain(ids.tolist(), by_ids, 1, 30)
+        assert torch.equal(lc, lp) and torch.equal(hc, hp)
+        assert torch.equal(by_ids.k, by_pass.k) and torch.equal(by_ids.v, by_pass.v)
+        if dtype == torch.float32:  # eager micro: verify_pass's eager pass, the same numbers
+            le, _ = eager.verify_chain(ids.tolist(), _prefilled(eager, 30), 1, 30)
+            torch.testing.assert_close(lc, le, **TOL)
+    cache = _prefilled(fast, 30)
+    before = cache.k.clone()
+    with pytest.raises(RuntimeError, match="token id 4096 outside the table's 4096"):
+        fast.verify_chain([5, 4096], cache, 1, 30)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fast.verify_chain([5], cache, 1, cache.max_len)
+    assert torch.equal(cache.k, before)
+
+
 def test_the_head_between_passes_gives_a_pass_s_bits(pair):
     """``head_rows`` (a prompt's first token, after its prefill) by ``nodraft::head``, from
     the head matrix the passes read: bit for bit the logits a pass's head gives the same

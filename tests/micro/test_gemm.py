@@ -35,6 +35,22 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(K, N):
         assert torch.equal(mm(a[:i + 1], b), full[:i + 1])
 
 
+@pytest.mark.parametrize("K, blocks", [(160, 30), (160, 10), (384, 10), (160, 256), (37, 7),
+                                       (5, 1)])
+def test_a_few_rows_of_a_packed_weight_give_each_rows_own_bits(K, blocks):
+    """One to three rows take a packed weight's whole blocks several at a time on AVX2 (four
+    for one row, two for two or three), and what is left one at a time: every row still
+    gets the bits it gets in a call of 17 rows, and from the weight unpacked."""
+    g = torch.Generator().manual_seed(K + blocks)
+    a, b = torch.randn(17, K, generator=g), torch.randn(K, gemm.PACK * blocks, generator=g)
+    packed = gemm.pack(b)
+    full = mm(a, b)
+    assert torch.equal(mm(a, packed), full)
+    for M in (1, 2, 3):
+        for i in range(0, 17 - M + 1, 3):
+            assert torch.equal(mm(a[i:i + M], packed), full[i:i + M]), (M, i)
+
+
 @settings(max_examples=40, deadline=None)
 @given(M=st.integers(1, 20), K=st.integers(1, 400), blocks=st.integers(1, 20),
        seed=st.integers(0, 99))
