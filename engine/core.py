@@ -51,6 +51,7 @@ from nodraft.drafters import costs
 from nodraft.drafters.base import Draft, DrafterEnv, has_hook
 from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.ops import inference
 from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
 from nodraft.engine.launch import KV_CACHE_DTYPES, PREFIX_CACHE_BYTES
 from nodraft.engine.prefix_cache import PrefixCache
@@ -381,6 +382,7 @@ class Engine:
         """Sequences running or waiting, or finished ones to close: ``run_once`` has work."""
         return bool(self.running or self.waiting or self._closing)
 
+    @torch.inference_mode()
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -452,13 +454,15 @@ class Engine:
             got = self._measure_costs(name, slot)
         return got
 
-    @torch.inference_mode()
+    @inference
     def run_once(self) -> None:
         """One iteration: admit what fits, run one target pass per model over its running
         sequences (a lone sequence takes the single-sequence path), deliver the
         iteration's step events, then free finished and cancelled sequences. It starts
         with the drafters' close hooks of the sequences the last one finished, whose
-        outputs have gone out since."""
+        outputs have gone out since. In inference mode, entered here only where the caller
+        is not in it already: the engine's loops run in it throughout, as a lone stream's
+        iteration is one per token and entering the mode is a context object each time."""
         self._iterating = threading.get_ident()
         closing, self._closing = self._closing, []
         for seq in closing:

@@ -191,6 +191,7 @@ class EngineCore:
         self.sent_at = 0.0  # time.monotonic() of the last outputs sent
         self.iteration_s = 0.0  # how long the last engine iteration took
 
+    @torch.inference_mode()  # the whole loop: each iteration need not enter it again
     def run(self) -> None:
         engine = self.engine
         self._send()  # the first outputs say the engine is serving

@@ -141,6 +141,7 @@ class CompiledPasses:
         # never, the graphs only)
         self._block: bool | None = None if block else False
         self._block_args: dict[tuple[int, int, bool], tuple[list, list]] = {}
+        self._chain_args: tuple | None = None  # nodraft::chain's weights (``chain``)
         self.compile_seconds = 0.0
         self.precompiled = Precompiled()  # graphs built ahead of time (``load``, ``export_to``)
         self.artifacts: Path | None = None  # the folder they were loaded from (drafters' too)
@@ -307,11 +308,14 @@ class CompiledPasses:
         as ``run`` decides it) or the cache is not one it reads: the caller runs ``run``."""
         if not (self.block_serves() and _block_reads(cache)):
             return None
-        norms, mats = self._block_weights(0, self.model.config.n_layers, True)
-        m = self.model
-        return torch.ops.nodraft.chain.default(
-            tokens, m.tok_embeddings.weight, m.rope_cos, m.rope_sin, norms, mats, cache.k,
-            cache.v, slot, start, m.config.norm_eps)
+        args = self._chain_args
+        if args is None:  # once: a decode step calls this for every token
+            m = self.model
+            norms, mats = self._block_weights(0, m.config.n_layers, True)
+            args = self._chain_args = (m.tok_embeddings.weight, m.rope_cos, m.rope_sin, norms,
+                                       mats)
+        return torch.ops.nodraft.chain.default(tokens, *args, cache.k, cache.v, slot, start,
+                                               self.model.config.norm_eps)
 
     def _run_block(self, h: Tensor, pos: Tensor, lo: int, hi: int, cache, slot: int,
                    start: int, mask: Tensor | None, head: bool) -> tuple[Tensor, Tensor | None]:
