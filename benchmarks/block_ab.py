@@ -12,8 +12,9 @@ build folder), each on the last core, hold micro's trained weights laid out by t
 the workers (after, before; then before, after); in a round a worker times every shape:
 runs of 10 passes, the median of 9 runs. Shapes: a lone sequence's decode step and its 2-,
 3- and 5-row blocks (a draft's verification) at 300 cached rows, 8 and 32 sequences'
-decode steps at 100 and 300 cached rows each, and 8 sequences' 5-row blocks at 100. Reported per shape: the median over rounds of each checkout's microseconds
-per pass, their range, and after / before.
+decode steps at 100 and 300 cached rows each, and 8 sequences' 5-row blocks at 100.
+Reported per shape: the median over rounds of each checkout's microseconds per pass, their
+range, and after / before.
 
 Ratios in one run are what carry on a shared machine; absolute times do not.
 """
