@@ -23,9 +23,11 @@ signals each is judged on:
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 - **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
-  nothing beat plain decoding, auto does not ask at the next step, nor at the next 2, 4,
-  8, 16 and then 32 after further such steps in a row (``REST_MAX``); a draft with
-  tokens accepted starts them over. A fresh server's requests above temperature 0.85
+  nothing beat plain decoding, auto does not ask for a rest of steps that doubles after
+  each further such step in a row, up to 32 (``REST_MAX``), and is never shorter than the
+  steps over which the ask costs ``ASK_SHARE`` (3%) of their time (``_rest_floor``: what
+  an asked step without a draft takes beyond a plain step, measured on this server); a
+  draft that paid for its step starts them over. A fresh server's requests above temperature 0.85
   start at the longest rest (``FRESH_RESTS``): there, on the workload suite, no cheap
   drafter paid in any category, while at 0.7 copies accepted whole do pay where the text
   repeats. The passes it rests are plain decoding, and a rested step skips auto's own
@@ -84,6 +86,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import statistics
 import time
 from collections import deque
@@ -121,6 +124,14 @@ FRESH_RESTS = ("t>0.85",)
 # draft's tensor, verification's and the commit's work on its rows), in one-row passes,
 # until this server has measured it (``Auto._draft_overhead``): ~0.5 measured here
 DRAFT_OVERHEAD_PRIOR = 0.5
+# the share of plain decoding's time auto's asks may take where nothing pays: after an
+# asked step without a draft, it rests at least long enough that asking costs no more
+# (``Auto._rest_floor``), from what an asked step costs beyond a plain one
+ASK_SHARE = 0.03
+# that cost, in one-row passes, until this server has timed both kinds of step: ~0.6
+# measured here (an ask's search over the request and its candidates' bookkeeping, and
+# the pass after it finding its weights and code out of the caches)
+ASK_OVERHEAD_PRIOR = 0.5
 OVERHEAD_STEPS = 31  # the recent steps of each kind whose median overhead prices drafts
 OVERHEAD_MIN_STEPS = 5  # of each kind, before the medians replace the prior
 POOLED_MIN = 6.0  # pseudo-counts of shorter matches before a new key's prior follows them
@@ -208,6 +219,8 @@ class Auto(DrafterBase):
         self._asked = False  # this step asked the candidates
         self._first = False  # this step is the first asked
         self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
+        self._rested = False  # the last step was one auto did not ask at: plain decoding's
+        self._floor: int | None = None  # ``_rest_floor``, until a step is timed
         self.resting = 0  # rested steps the sequence declines for auto (``propose``) ...
         self._quiet_from: int | None = None  # ... from the step with this many tokens
 
@@ -347,7 +360,15 @@ class Auto(DrafterBase):
         key = "drafted" if drafted else "asked"
         self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
             seconds - self.cost(rows))
-        self._overhead = None
+        self._overhead = self._floor = None
+
+    def _learn_plain(self, ctx: DraftContext) -> None:
+        """The last step was a rested one, plain decoding's: its time beyond its pass into
+        the server's recent plain steps (what an ask is priced against, ``_rest_floor``)."""
+        if ctx.step_seconds is not None and self.cost is not None:
+            self.overhead.setdefault("plain", deque(maxlen=OVERHEAD_STEPS)).append(
+                ctx.step_seconds - self.cost(1))
+            self._floor = None
 
     def _draft_overhead(self) -> float:
         """Seconds a step with a draft takes beyond its pass, more than an asked step
@@ -366,6 +387,24 @@ class Auto(DrafterBase):
             else:
                 self._overhead = DRAFT_OVERHEAD_PRIOR * self.cost(1)
         return self._overhead
+
+    def _rest_floor(self) -> int:
+        """The shortest rest after an asked step where nothing paid: the steps over which
+        the ask's cost beyond a plain step's is ``ASK_SHARE`` of their time. Its cost, the
+        difference of the medians of this server's recent asked steps without a draft and
+        rested ones (``_learn_overhead``, ``_learn_plain``), is ``ASK_OVERHEAD_PRIOR``
+        one-row passes until ``OVERHEAD_MIN_STEPS`` of each are timed. Between 1 and
+        ``REST_MAX``; greedy requests do not rest."""
+        if self._floor is None:
+            asked, plain = self.overhead.get("asked", ()), self.overhead.get("plain", ())
+            step = self.cost(1)
+            if min(len(asked), len(plain)) >= OVERHEAD_MIN_STEPS:
+                extra = max(0.0, statistics.median(asked) - statistics.median(plain))
+                step += max(0.0, statistics.median(plain))
+            else:
+                extra = ASK_OVERHEAD_PRIOR * step
+            self._floor = max(1, min(REST_MAX, math.ceil(extra / (ASK_SHARE * step))))
+        return self._floor
 
     def _wake_lengths(self) -> tuple[int, int | None] | None:
         """(L, S) for ``_copy_now``: the shortest match length of a key of one of this
@@ -432,6 +471,9 @@ class Auto(DrafterBase):
             self._quiet_from = None
         if self._timing is not None:
             self._learn_overhead(ctx)
+        elif self._rested:
+            self._learn_plain(ctx)
+        self._rested = False
         if not self.seeded:
             self._seed(ctx)
         if self.rest:  # the last asked step had nothing that could pay: not asked
@@ -446,6 +488,7 @@ class Auto(DrafterBase):
                 if self.rest and self._wake is None and not self.observers:
                     self.resting, self.rest = self.rest, 0
                     self._quiet_from = len(ctx.tokens)
+                self._rested = True  # the next step is timed as plain decoding's
                 return NOT_LOOKED
             self.rest = 0
         self._asked = True
@@ -501,8 +544,8 @@ class Auto(DrafterBase):
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
             if reg in REST_REGIMES and not self._trained_copies_pay():
-                self.rest = self.pause = self.server_pause[reg] = min(2 * self.pause or 1,
-                                                                      REST_MAX)
+                self.rest = self.pause = self.server_pause[reg] = min(
+                    max(2 * self.pause, self._rest_floor()), REST_MAX)
             return _NONE
         if isinstance(best_draft, Draft):  # a trained drafter's, sent whole
             draft = dataclasses.replace(best_draft, method=best_key[0])

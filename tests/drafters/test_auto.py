@@ -30,6 +30,17 @@ def fixed_prices():
     costs._COSTS.pop(MODEL, None)
 
 
+@pytest.fixture(autouse=True)
+def free_asks(monkeypatch):
+    """Asks priced at nothing more than a plain step: a rest after an asked step where
+    nothing paid doubles from one step (``Auto._rest_floor`` is 1), so the tests of the
+    rests' course do not hang on what this machine's asked and plain steps took. The
+    floor's own test prices asks (``test_an_ask_is_priced_and_rests_last_long_enough``)."""
+    from nodraft.drafters import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "ASK_SHARE", float("inf"))
+
+
 @pytest.fixture
 def priced_clock(monkeypatch, fixed_prices):
     """The clock that ``auto`` and the sequence read, moved only by passes, each by its
@@ -571,6 +582,54 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     auto._overhead = None
     auto.est[key] = dataclasses.replace(belief)
     assert not len(auto.propose(ctx, 8))
+
+
+def test_an_ask_is_priced_and_rests_last_long_enough(monkeypatch):
+    """After an asked step where nothing paid, the rest is at least the steps over which
+    the ask's cost beyond a plain step is ``ASK_SHARE`` of their time:
+    ``ASK_OVERHEAD_PRIOR`` one-row passes until asked and rested steps are timed
+    (``ctx.step_seconds``; a rested step's time is read at the next ask), then the
+    difference of their medians; the rests double from there, up to ``REST_MAX``."""
+    import math
+
+    from nodraft.drafters import auto as auto_module
+    from nodraft.drafters.auto import ASK_OVERHEAD_PRIOR, OVERHEAD_MIN_STEPS
+
+    monkeypatch.setattr(auto_module, "ASK_SHARE", 0.03)
+    shared: dict = {"auto_pause": {"t>0.85": 0}}  # a draft paid at the last step asked
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its 3-gram [3 7 2] matches
+    ctx.temperature = 1.0
+    auto.candidates()
+    auto.est[("prompt_lookup", 3, "t>0.85")] = Acceptance(0.05, 40.0)  # nothing pays
+    assert not len(auto.propose(ctx, 8))
+    floor = math.ceil(ASK_OVERHEAD_PRIOR / 0.03)  # 17: the prior's
+    assert auto.rest == floor and shared["auto_pause"] == {"t>0.85": floor}
+    auto.observe(ctx, [])
+    one = auto.cost(1)
+    # the rest's steps are plain decoding's; the step before the next ask is timed as one
+    auto.rest = 2
+    assert auto.propose(ctx, 8) is NOT_LOOKED and auto.resting == 1
+    ctx.step_seconds = one + 0.1 * one
+    assert not len(auto.propose(ctx, 8))
+    assert len(shared["auto_step_overhead"]["plain"]) == 1
+    auto.observe(ctx, [])
+    for _ in range(OVERHEAD_MIN_STEPS):  # asked steps 0.3 passes dearer than plain ones
+        auto._timing = (1, False)
+        ctx.step_seconds = one + 0.4 * one
+        auto._learn_overhead(ctx)
+        ctx.step_seconds = one + 0.1 * one
+        auto._learn_plain(ctx)
+    assert auto._rest_floor() == math.ceil(0.3 / (0.03 * 1.1))  # 10
+    auto.pause = auto.rest = 0  # as after a draft that paid
+    assert not len(auto.propose(ctx, 8)) and auto.rest == 10
+    auto.observe(ctx, [])
+    auto.rest = 0
+    assert not len(auto.propose(ctx, 8)) and auto.rest == 20  # doubling from the floor
+    auto.observe(ctx, [])
+    auto.rest = 0
+    assert not len(auto.propose(ctx, 8)) and auto.rest == REST_MAX
 
 
 def test_a_lone_step_is_timed_for_the_drafter_and_a_packed_one_is_not():
