@@ -27,25 +27,26 @@ signals each is judged on:
   each further such step in a row, up to 32 (``REST_MAX``), and is never shorter than the
   steps over which the ask costs ``ASK_SHARE`` (3%) of their time (``_rest_floor``: what
   an asked step without a draft takes beyond a plain step, measured on this server); a
-  draft that paid for its step starts them over. A fresh server's requests above temperature 0.85
-  start at the longest rest (``FRESH_RESTS``): there, on the workload suite, no cheap
-  drafter paid in any category, while at 0.7 copies accepted whole do pay where the text
-  repeats. The passes it rests are plain decoding, and a rested step skips auto's own
-  bookkeeping -- where no copy is watched for (below) and no candidate keeps per-step
-  state, the sequence does not call auto at all until the rest ends (``resting``): the
-  steps cost what plain decoding's do, and a batch's plan leaves them out. (In a batch
-  the engine asks auto only at steps its plan gives a draft or a probe: a rest auto
-  counts itself -- while it watches for a copy -- counts those asks; a rest handed to the
-  sequence counts steps.) An asked step costs tens of microseconds of auto's work and a slower pass
-  after it, on a step of a few hundred, and under sampling nothing pays at most steps.
-  The rest lengths are the server's, per regime: a request goes on from where the
-  server's requests left them since a draft last paid (``server_pause``). A copy that
-  starts at a rested step would be met some steps late, so while any cheap drafter's
-  match length is believed at least ``COPIES_PAY`` (a copy's first step is worth several
-  tokens) -- this request's belief, or at its start the server's -- a rested step looks
-  whether such a match is there (``_copy_now``: a search of the request's tokens) and
-  asks at once if it is. Greedy it asks every step: there copies pay, and rests measured
-  a loss (docs/LOG.md, "`auto` asks every step" and 2026-12-05).
+  draft that paid for its step starts them over. A fresh server's requests above
+  temperature 0.85 start at the longest rest (``FRESH_RESTS``): there, on the workload
+  suite, no cheap drafter paid in any category, while at 0.7 copies accepted whole do pay
+  where the text repeats. The passes it rests are plain decoding, and a rested step skips
+  auto's own bookkeeping -- where no copy is watched for (below) and no candidate keeps
+  per-step state, the sequence does not call auto at all until the rest ends
+  (``resting``): the steps cost what plain decoding's do, and a batch's plan leaves them
+  out. (In a batch the engine asks auto only at steps its plan gives a draft or a probe:
+  a rest auto counts itself -- while it watches for a copy -- counts those asks; a rest
+  handed to the sequence counts steps.) An asked step costs tens of microseconds of
+  auto's work and a slower pass after it, on a step of a few hundred, and under sampling
+  nothing pays at most steps. The rest lengths are the server's, per regime: a request
+  goes on from where the server's requests left them since a draft last paid
+  (``server_pause``). A copy that starts at a rested step would be met some steps late,
+  so while any cheap drafter's match length is believed at least ``COPIES_PAY`` (a copy's
+  first step is worth several tokens) -- this request's belief, or at its start the
+  server's -- a rested step looks whether such a match is there (``_copy_now``: a search
+  of the request's tokens) and asks at once if it is. Greedy it asks every step: there
+  copies pay, and rests measured a loss (docs/LOG.md, "`auto` asks every step" and
+  2026-12-05).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied), and sends
   at least twice the length it took whole where its match gives that many -- a fresh
