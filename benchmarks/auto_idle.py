@@ -2,8 +2,9 @@
 of the workload suite's prompts, ``auto`` against ``none``, in process; optionally this
 checkout against another, in one run.
 
-    python benchmarks/auto_idle.py [--regime t1.0] [--repeats 5] [--tokens 128]
-                                   [--rounds 4] [--before CHECKOUT] [--out FILE.json]
+    python benchmarks/auto_idle.py [--regime t1.0] [--model micro] [--repeats 5]
+                                   [--tokens 128] [--rounds 4] [--before CHECKOUT]
+                                   [--out FILE.json]
 
 At temperature 1.0 no cheap drafter pays on the suite, so ``auto`` rests from a fresh
 server's first step and asks now and then (``drafters.auto``): what it costs there is its
@@ -16,6 +17,10 @@ the median of all pairs' ``none`` seconds over ``auto`` seconds, and their mean
 (``clients.measure.alternated``'s pairs, prompt by prompt). Compiled
 passes (``Micro.compile``), one thread, each method's first decode of a prompt untimed,
 then the heap frozen (``freeze_heap``), as ``nodraft bench`` runs them.
+
+``--regime greedy`` measures the same pairs greedy, where ``auto`` asks at every step and
+drafts where copies pay: its speed-up over ``none`` on the whole suite, what its own work
+per step costs or gains there.
 
 ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``): a worker per checkout
 (``checkouts.checkout_env``), ``--rounds`` rounds, the order alternated round by round;
@@ -37,7 +42,8 @@ except ImportError:  # imported as benchmarks.auto_idle
     from benchmarks.checkouts import alternate
 
 
-def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int) -> list[float]:
+def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int,
+          name: str = "micro") -> list[float]:
     """For each prompt and repeat, ``none``'s decode seconds over ``auto``'s (a fresh
     server's state), the same seeded sampling: ``clients.measure.alternated``'s pairs, as
     ``nodraft bench`` makes them (it raises if their texts differ)."""
@@ -46,7 +52,7 @@ def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int) ->
 
     out = []
     for p in prompts:
-        runs = alternated(model, p["ids"], tokens, "auto", repeats=repeats,
+        runs = alternated(model, p["ids"], tokens, "auto", repeats=repeats, model_name=name,
                           sampling=lambda r: regime_sampling(regime, r),
                           stop_ids=frozenset(p.get("stop_ids", ())))
         out += [base.seconds / run.seconds for base, run in runs]
@@ -62,17 +68,17 @@ def worker(args: argparse.Namespace) -> None:
     from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 
     torch.set_num_threads(1)
-    model = load_model("micro", CHECKPOINT_DIR).compile(True)
+    model = load_model(args.model, CHECKPOINT_DIR).compile(True)
     prompts = [p for ps in build_prompts(load_tokenizer(), 2).values() for p in ps]
     for p in prompts:  # what each method compiles and builds at its first use: untimed
         for method in ("none", "auto"):
-            decode(model, p["ids"], args.tokens, method, shared={},
+            decode(model, p["ids"], args.tokens, method, shared={}, model_name=args.model,
                    sampling=regime_sampling(args.regime, 0),
                    stop_ids=frozenset(p.get("stop_ids", ())))
     freeze_heap()
     print(json.dumps({"ready": True}), flush=True)
     for _ in sys.stdin:
-        ratios = pairs(model, prompts, args.regime, args.repeats, args.tokens)
+        ratios = pairs(model, prompts, args.regime, args.repeats, args.tokens, args.model)
         print(json.dumps({"median": statistics.median(ratios), "mean": statistics.fmean(ratios),
                           "pairs": len(ratios)}), flush=True)
 
@@ -80,7 +86,8 @@ def worker(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--regime", default="t1.0", help="a sampled regime of nodraft bench")
+    p.add_argument("--regime", default="t1.0", help="a regime of nodraft bench")
+    p.add_argument("--model", default="micro", help="a bundled model")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
@@ -90,17 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     from nodraft.clients.bench import REGIMES
 
-    if args.regime not in REGIMES or REGIMES[args.regime].greedy:
-        p.error(f"--regime must be a sampled one of {[r for r in REGIMES if r != 'greedy']}")
+    if args.regime not in REGIMES:
+        p.error(f"--regime must be one of {list(REGIMES)}")
     if args.worker:
         worker(args)
         return
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--regime", args.regime,
+           "--model", args.model,
            "--repeats", str(args.repeats), "--tokens", str(args.tokens)]
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"after": here, **({"before": args.before} if args.before else {})}
     rounds = alternate(cmd, checkouts, args.rounds)
-    out = {"regime": args.regime, "repeats": args.repeats, "tokens": args.tokens,
+    out = {"regime": args.regime, "model": args.model, "repeats": args.repeats,
+           "tokens": args.tokens,
            "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python benchmarks/auto_idle.py " + " ".join(argv or sys.argv[1:])}
     for name, got in rounds.items():

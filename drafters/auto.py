@@ -24,13 +24,14 @@ signals each is judged on:
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 - **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
   nothing beat plain decoding, auto does not ask for a rest of steps that doubles after
-  each further such step in a row, up to 32 (``REST_MAX``), and is never shorter than the
+  each further such step in a row, up to 64 (``REST_MAX``), and is never shorter than the
   steps over which the ask costs ``ASK_SHARE`` (3%) of their time (``_rest_floor``: what
   an asked step without a draft takes beyond a plain step, measured on this server); a
-  draft that paid for its step starts them over. A fresh server's requests above
-  temperature 0.85 start at the longest rest (``FRESH_RESTS``): there, on the workload
-  suite, no cheap drafter paid in any category, while at 0.7 copies accepted whole do pay
-  where the text repeats. The passes it rests are plain decoding, and a rested step skips
+  draft that paid for its step starts them over. A fresh server's requests at
+  temperature 0.6 and above start at the longest rest (``FRESH_REST_TEMPERATURE``): on
+  the workload suite no cheap drafter paid in any category at 0.7 or 1.0, and the drafts
+  ``auto`` sent at 0.7 where text repeats gained about what they cost; at 0.3, where
+  suffix decoding alone made ~1.1x plain decoding, they start from asking. The passes it rests are plain decoding, and a rested step skips
   auto's own bookkeeping -- where no copy is watched for (below) and no candidate keeps
   per-step state, the sequence does not call auto at all until the rest ends
   (``resting``): the steps cost what plain decoding's do, and a batch's plan leaves them
@@ -114,13 +115,14 @@ MAX_MATCH = 8  # match lengths at or above this share one estimate
 # asks where a match that long is there (``Auto._copy_now``); a trained drafter believed
 # this good stops the rests
 COPIES_PAY = 0.8
-REST_MAX = 32  # the longest rest, in steps (``Auto.propose``)
+REST_MAX = 64  # the longest rest, in steps (``Auto.propose``)
 # the sampling regimes auto rests in: both sampled ones, where asking at every step cost
 # more than the copies it met first gained (docs/LOG.md, "Pricing a draft's own work");
 # greedy, where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
 REST_REGIMES = ("t<=0.85", "t>0.85")
-# the regimes a fresh server's requests start at the longest rest in (``Auto._seed``)
-FRESH_RESTS = ("t>0.85",)
+# the temperature from which a fresh server's requests start at the longest rest
+# (``Auto._seed``; docs/LOG.md, 2026-12-07)
+FRESH_REST_TEMPERATURE = 0.6
 # what a drafted step costs beyond its pass, more than an asked step without a draft (the
 # draft's tensor, verification's and the commit's work on its rows), in one-row passes,
 # until this server has measured it (``Auto._draft_overhead``): ~0.5 measured here
@@ -186,6 +188,7 @@ class Auto(DrafterBase):
         self.drafters: dict[str, object] = {}
         # trained candidates with weights for this model: (method, params, env) to build them
         self.trained_params: dict[str, tuple] = {}
+        self._shapes: dict[tuple, tuple[int, int]] = {}  # ``_shape``'s
         self.observers: list[str] = []  # candidates with per-step state (EAGLE's features)
         self.cheap: list[str] = []
         self.trained: list[str] = []
@@ -347,6 +350,17 @@ class Auto(DrafterBase):
         self.draft_seconds[name] = dt if old is None else 0.8 * old + 0.2 * dt
         return draft
 
+    def _shape(self, name: str, budget: int) -> tuple[int, int]:
+        """A trained candidate's (depth, draft tokens) under ``budget``, from its
+        parameters (EAGLE: ``depth``, ``total_tokens``; Medusa: ``num_heads``)."""
+        got = self._shapes.get((name, budget))
+        if got is None:
+            p = self.trained_params[name][1]
+            depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
+            rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))
+            got = self._shapes[name, budget] = (depth, rows)
+        return got
+
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
         return tokens / (self.cost(1 + rows) + seconds + self._draft_overhead())
 
@@ -442,7 +456,8 @@ class Auto(DrafterBase):
         self._wake_stale = True
         # a fresh server under sampling starts at the longest rest: there nothing pays at
         # most steps, and a draft that pays ends the rests at once (``observe``)
-        self.pause = self.server_pause.get(reg, REST_MAX if reg in FRESH_RESTS else 0)
+        fresh = REST_MAX if ctx.temperature >= FRESH_REST_TEMPERATURE else 0
+        self.pause = self.server_pause.get(reg, fresh)
         if reg in REST_REGIMES and self.pause >= REST_MAX and not self._trained_copies_pay():
             self.rest = REST_MAX
 
@@ -529,10 +544,10 @@ class Auto(DrafterBase):
             # not yet measured on this server: assume a draft step costs one target pass
             # (EAGLE's compiled chain of 6 measured ~1 pass here, Medusa's full-vocabulary
             # tree 0.7), so it is tried only when that would still pay
-            seconds = self.draft_seconds.get(name, self.cost(1))
-            p = self.trained_params[name][1]  # EAGLE: depth, total_tokens; Medusa: num_heads
-            depth = min(budget, getattr(p, "depth", None) or getattr(p, "num_heads", 4))
-            rows = min(budget, max(depth, getattr(p, "total_tokens", depth) - 1))
+            seconds = self.draft_seconds.get(name)
+            if seconds is None:
+                seconds = self.cost(1)
+            depth, rows = self._shape(name, budget)
             # valued at the belief's mean, without the optimism of a wide belief: unlike a
             # cheap drafter's chain, which is scored every step whether sent or not, a
             # trained drafter's belief is only informed by drafting with it, at a full

@@ -71,6 +71,13 @@ class PassCost:
         scale = self.one_scale if self.rows_scale is None else self.rows_scale
         return max(one, scale * self.table(rows))
 
+    def prices(self, rows: int) -> list[float]:
+        """``[self(r) for r in range(rows + 1)]``, at once."""
+        one = self.one_scale * self.by_rows[1]
+        scale = self.one_scale if self.rows_scale is None else self.rows_scale
+        table = self.by_rows if rows <= MAX_ROWS else [self.table(r) for r in range(rows + 1)]
+        return [one, one] + [max(one, scale * table[r]) for r in range(2, rows + 1)]
+
     def observe(self, rows: int, seconds: float) -> None:
         """A request's pass of ``rows`` rows took ``seconds``: move the scale of its kind
         (one row, several) a step (``LEARN``) towards what it says. A pass counts as at

@@ -253,13 +253,13 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
     assert len(shared["suffix"]["suffix_global"].stored) == 1
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 0.7, 1.0])
 @pytest.mark.parametrize("fresh", [False, True])
 def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
     """Sampled, after an asked step with nothing to send auto does not ask at the next
-    step, nor at the next 2, 4, 8, 16 and then 32 while asked steps stay empty -- on a
-    fresh server it starts at the longest rest above temperature 0.85; greedy it asks at
-    every step."""
+    step, nor at the next 2, 4, 8, ... up to ``REST_MAX`` while asked steps stay empty --
+    on a fresh server it starts at the longest rest from temperature 0.6; greedy it asks
+    at every step."""
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -273,13 +273,19 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
         return [], None, 0
 
     auto.candidates()["prompt_lookup"].proposal = nothing
-    out, seq, steps = generate(MODEL, list(range(1, 20)), 60, drafter=auto,
+    n = REST_MAX + 36  # the test model's positions hold 128
+    out, seq, steps = generate(MODEL, list(range(1, 20)), n, drafter=auto,
                                sampling=SamplingParams(temperature=temperature, seed=3))
-    assert len(steps) == 60 and not any(s.draft for s in steps)
+    assert len(steps) == n and not any(s.draft for s in steps)
     # the first step is the prompt's prefill (no draft), the last has no room for one
-    want = ([REST_MAX + 1] if fresh and temperature > 0.85 else [1, 3, 6, 11, 20, 37]) \
-        if temperature > 0 else list(range(1, 59))
-    assert [n - 19 for n in asked] == want
+    doubling, rest = [1], 1
+    while doubling[-1] + rest + 1 < n - 1:
+        doubling.append(doubling[-1] + rest + 1)
+        rest = min(2 * rest, REST_MAX)
+    assert doubling[:6] == [1, 3, 6, 11, 20, 37]
+    want = ([REST_MAX + 1] if fresh and temperature >= 0.6 else doubling) \
+        if temperature > 0 else list(range(1, n - 1))
+    assert [k - 19 for k in asked] == want
 
 
 def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays():
@@ -627,6 +633,9 @@ def test_an_ask_is_priced_and_rests_last_long_enough(monkeypatch):
     auto.observe(ctx, [])
     auto.rest = 0
     assert not len(auto.propose(ctx, 8)) and auto.rest == 20  # doubling from the floor
+    auto.observe(ctx, [])
+    auto.rest = 0
+    assert not len(auto.propose(ctx, 8)) and auto.rest == min(40, REST_MAX)
     auto.observe(ctx, [])
     auto.rest = 0
     assert not len(auto.propose(ctx, 8)) and auto.rest == REST_MAX

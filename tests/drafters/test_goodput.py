@@ -33,6 +33,25 @@ def test_best_length_is_the_brute_force_best():
             assert g == pytest.approx(belief.tokens(k)[k] / (draft_s + cost(k + 1)))
 
 
+def test_a_cost_tables_prices_are_its_calls_and_price_drafts_alike():
+    """``PassCost.prices`` lists what calling the table gives, scales applied; ``best_length``
+    gives the same (goodput, k) from it as from any callable, to the bit."""
+    cost = PassCost({1: 2.3e-4, 2: 3.3e-4, 3: 3.4e-4, 5: 4.5e-4, 9: 9e-4, 17: 1.5e-3})
+    assert cost.prices(20) == [cost(r) for r in range(21)]
+    cost.observe(1, 2.6e-4)
+    cost.observe(4, 6e-4)  # several rows: a scale of their own
+    assert cost.prices(80) == [cost(r) for r in range(81)]  # past the table's sizes too
+    for a, r in ((1, 1), (9, 1), (2, 6), (97, 3), (14.39, 3.25)):
+        for n in (0, 1, 7, 16, 40):
+            for draft_s in (0.0, 1e-4):
+                got = best_length(Acceptance(a, r), n, cost, draft_s)
+                assert got == best_length(Acceptance(a, r), n, lambda x: cost(x), draft_s)
+                tokens = Acceptance(a, r).tokens(n)
+                want = max(((tokens[k] / (draft_s + cost(k + 1)), k) for k in range(1, n + 1)),
+                           key=lambda t: (t[0], -t[1]), default=(0.0, 0))
+                assert got == want
+
+
 def test_the_scheduler_and_auto_count_with_the_same_belief():
     seq, auto = SeqDraftState(), Acceptance()
     for depth, accepted in ((4, 4), (4, 1), (6, 0), (3, 3)):
