@@ -27,27 +27,27 @@ signals each is judged on:
   each further such step in a row, up to 64 (``REST_MAX``), and is never shorter than the
   steps over which the ask costs ``ASK_SHARE`` (3%) of their time (``_rest_floor``: what
   an asked step without a draft takes beyond a plain step, measured on this server); a
-  draft that paid for its step starts them over. A fresh server's requests at
-  temperature 0.6 and above start at the longest rest (``FRESH_REST_TEMPERATURE``): on
-  the workload suite no cheap drafter paid in any category at 0.7 or 1.0, and the drafts
-  ``auto`` sent at 0.7 where text repeats gained about what they cost; at 0.3, where
-  suffix decoding alone made ~1.1x plain decoding, they start from asking. The passes it rests are plain decoding, and a rested step skips
-  auto's own bookkeeping -- where no copy is watched for (below) and no candidate keeps
-  per-step state, the sequence does not call auto at all until the rest ends
-  (``resting``): the steps cost what plain decoding's do, and a batch's plan leaves them
-  out. (In a batch the engine asks auto only at steps its plan gives a draft or a probe:
-  a rest auto counts itself -- while it watches for a copy -- counts those asks; a rest
-  handed to the sequence counts steps.) An asked step costs tens of microseconds of
-  auto's work and a slower pass after it, on a step of a few hundred, and under sampling
-  nothing pays at most steps. The rest lengths are the server's, per regime: a request
-  goes on from where the server's requests left them since a draft last paid
-  (``server_pause``). A copy that starts at a rested step would be met some steps late,
-  so while any cheap drafter's match length is believed at least ``COPIES_PAY`` (a copy's
-  first step is worth several tokens) -- this request's belief, or at its start the
-  server's -- a rested step looks whether such a match is there (``_copy_now``: a search
-  of the request's tokens) and asks at once if it is. Greedy it asks every step: there
-  copies pay, and rests measured a loss (docs/LOG.md, "`auto` asks every step" and
-  2026-12-05).
+  draft that paid for its step starts them over. A fresh server's requests at temperature
+  0.6 and above start at the longest rest (``FRESH_REST_TEMPERATURE``): on the workload
+  suite no cheap drafter paid in any category at 0.7 or 1.0, and the drafts ``auto`` sent
+  at 0.7 where text repeats gained about what they cost; at 0.3, where suffix decoding
+  alone made 1.05-1.09x plain decoding, they start from asking. The passes it rests are
+  plain decoding, and a rested step skips auto's own bookkeeping -- where no copy is
+  watched for (below) and no candidate keeps per-step state, the sequence does not call
+  auto at all until the rest ends (``resting``): the steps cost what plain decoding's do,
+  and a batch's plan leaves them out. (In a batch the engine asks auto only at steps its
+  plan gives a draft or a probe: a rest auto counts itself -- while it watches for a copy
+  -- counts those asks; a rest handed to the sequence counts steps.) An asked step costs
+  tens of microseconds of auto's work and a slower pass after it, on a step of a few
+  hundred, and under sampling nothing pays at most steps. The rest lengths are the
+  server's, per regime: a request goes on from where the server's requests left them
+  since a draft last paid (``server_pause``). A copy that starts at a rested step would
+  be met some steps late, so while any cheap drafter's match length is believed at least
+  ``COPIES_PAY`` (a copy's first step is worth several tokens) -- this request's belief,
+  or at its start the server's -- a rested step looks whether such a match is there
+  (``_copy_now``: a search of the request's tokens) and asks at once if it is. Greedy it
+  asks every step: there copies pay, and rests measured a loss (docs/LOG.md, "`auto` asks
+  every step", 2026-12-05 and 2026-12-07).
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied), and sends
   at least twice the length it took whole where its match gives that many -- a fresh
@@ -454,8 +454,8 @@ class Auto(DrafterBase):
         self.copies_pay.update(k for k, g in self.global_est.items()
                                if k[2] == reg and g.alpha >= COPIES_PAY)
         self._wake_stale = True
-        # a fresh server under sampling starts at the longest rest: there nothing pays at
-        # most steps, and a draft that pays ends the rests at once (``observe``)
+        # a fresh server's requests from temperature 0.6 start at the longest rest: there
+        # nothing paid at most steps, and a draft that pays ends the rests at once (``observe``)
         fresh = REST_MAX if ctx.temperature >= FRESH_REST_TEMPERATURE else 0
         self.pause = self.server_pause.get(reg, fresh)
         if reg in REST_REGIMES and self.pause >= REST_MAX and not self._trained_copies_pay():
