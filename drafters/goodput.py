@@ -97,21 +97,16 @@ class Acceptance:
 def best_length(belief: Acceptance, n: int, pass_seconds: Callable[[int], float],
                 draft_seconds: float = 0.0) -> tuple[float, int]:
     """(goodput, k): the chain length k in 1..n with the best expected goodput,
-    ``E[tokens(k)] / (draft_seconds + pass_seconds(1 + k))``; (0, 0) when n < 1. One loop
-    over ``Acceptance.tokens``'s terms (the same sums, in the same order), the passes'
-    prices read at once where ``pass_seconds`` lists them (``PassCost.prices``): ``auto``
-    runs this for every match at every step it asks."""
+    ``E[tokens(k)] / (draft_seconds + pass_seconds(1 + k))``; (0, 0) when n < 1. The
+    passes' prices are read at once where ``pass_seconds`` lists them (``PassCost.prices``):
+    ``auto`` runs this for every match at every step it asks."""
     prices = getattr(pass_seconds, "prices", None)
     prices = prices(n + 1) if prices else [pass_seconds(r) for r in range(n + 2)]
-    a = belief.accepted
-    r = max(belief.rejected, a * (1 - MAX_ALPHA) / MAX_ALPHA)
-    best_g, best_k, tokens, m = 0.0, 0, 1.0, 1.0
-    for i in range(n):  # k = i + 1 draft tokens
-        m *= (a + i) / (a + r + i)
-        tokens += m
-        g = tokens / (draft_seconds + prices[i + 2])
+    best_g, best_k = 0.0, 0
+    for k, tokens in enumerate(belief.tokens(n)[1:], start=1):
+        g = tokens / (draft_seconds + prices[k + 1])
         if g > best_g:
-            best_g, best_k = g, i + 1
+            best_g, best_k = g, k
     return best_g, best_k
 
 
