@@ -1,8 +1,9 @@
 """The n-gram indexes of token sequences that the match-based drafters share: suffix
 decoding reads them as depth-limited suffix trees, prompt lookup as where each n-gram ends.
 Two kinds: ``SuffixIndex``, a dict of every n-gram's end positions (suffix decoding's store
-of previous responses, read by many requests), and ``RequestIndex``, a request's own tokens
-searched as bytes (``request_index``: one per request, shared by the drafters reading it)."""
+of previous responses, read by many requests: ``ResponseStore``), and ``RequestIndex``, a
+request's own tokens searched as bytes (``request_index``: one per request, shared by the
+drafters reading it)."""
 
 from __future__ import annotations
 
@@ -219,6 +220,84 @@ class SuffixIndex:
         rest, parents, score = grow_tree((positions, k), limit - k, min_prob, children)
         return (chain + rest, list(range(-1, k - 1)) + [q + k if q >= 0 else k - 1 for q in parents],
                 k + score, m)
+
+
+class ResponseStore:
+    """Suffix decoding's store of previous responses, shared by a server's requests of one
+    model: a ``SuffixIndex`` over the last responses kept, each ``keep`` bounded by its
+    caller's cap (the oldest leaves first).
+
+    While requests read it (``index``), a response is indexed when it is kept, as each
+    evicted one is unindexed -- ``K`` dict insertions a token in and as many out again.
+    Once ``cap`` responses have been kept since the last read -- enough to have replaced
+    everything indexed then -- the store stops indexing: a kept response waits as it is,
+    and one that later keeps push out is never indexed. So a server whose requests do not
+    read the store (``auto`` resting under sampling, plain decoding) pays an append a
+    response. The next read indexes what waits, at most ``read_tokens`` tokens of it (the
+    engine's one thread waits on a read): the newest responses that fit, at least one.
+    Every other read finds what an index that took each response at its keep holds
+    (tests/drafters/test_suffix.py)."""
+
+    # the most tokens a read after a spell unread indexes: about a prefill chunk's time
+    READ_TOKENS = 4096
+
+    def __init__(self, max_occurrences: int = SuffixIndex.MAX_OCCURRENCES,
+                 k: int = SuffixIndex.K, read_tokens: int = READ_TOKENS):
+        self._index = SuffixIndex(max_occurrences, k)
+        self.read_tokens = read_tokens
+        self.unread = 0  # responses kept since the last read
+        self.pending: deque[list[int]] = deque()  # kept unindexed (not read), oldest first
+        self.dead = 0  # the index's oldest responses that keeps since then evicted
+
+    def __len__(self) -> int:
+        """The responses kept (a read after a spell unread may find fewer)."""
+        return len(self._index.stored) - self.dead + len(self.pending)
+
+    def keep(self, response: list[int], cap: int) -> None:
+        """Keep ``response`` (a list the caller no longer changes), then evict the oldest
+        beyond ``cap``. Nothing is kept, nor evicted, with ``cap`` 0 or an empty response."""
+        if cap <= 0 or not response:
+            return
+        idx = self._index
+        if self.unread < cap and not self.pending:  # read lately: indexed now
+            idx.add(response)
+            while len(idx.stored) > cap:
+                idx.evict_oldest()
+        else:
+            self.pending.append(response)
+            over = len(self) - cap
+            if over > 0:
+                from_index = min(over, len(idx.stored) - self.dead)
+                self.dead += from_index
+                for _ in range(over - from_index):
+                    self.pending.popleft()
+        self.unread += 1
+
+    @property
+    def index(self) -> SuffixIndex:
+        """The index over the responses kept and not evicted (after a spell unread, the
+        newest of them within ``read_tokens``)."""
+        self.unread = 0
+        idx, pending = self._index, self.pending
+        if not pending:
+            return idx
+        # the newest waiting responses that fit (at least one)
+        tokens = len(pending[-1])
+        fit = 1
+        while fit < len(pending) and tokens + len(pending[-fit - 1]) <= self.read_tokens:
+            fit += 1
+            tokens += len(pending[-fit])
+        if fit == len(pending) and self.dead < len(idx.stored):
+            # all of them, and some of what the index holds is still kept: unindex the rest
+            for _ in range(self.dead):
+                idx.evict_oldest()
+        else:  # a new index: the responses it held are older than any dropped here
+            idx = self._index = SuffixIndex(idx.max_occurrences, idx.K)
+        for r in itertools.islice(pending, len(pending) - fit, None):
+            idx.add(r)
+        pending.clear()
+        self.dead = 0
+        return idx
 
 
 class RequestIndex(SuffixIndex):

@@ -5,7 +5,8 @@ to ``max_depth`` tokens, with occurrence counts), both kept as a ``SuffixIndex``
 
 - the request's own, over its prompt and output, extended as tokens arrive;
 - a global one over previous responses, shared by all requests on this server and model,
-  bounded to ``max_cached_responses`` (the oldest response leaves first).
+  bounded to ``max_cached_responses`` (the oldest response leaves first) and indexed when
+  it is read (``ResponseStore``: a server that never drafts from it pays little for it).
 
 To draft, match the longest suffix of the context (up to ``max_depth // 2`` tokens, so a
 match leaves at least as many levels of the depth-limited tree below it to draft from),
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nodraft.drafters.base import Draft, DraftContext, DrafterBase, DrafterEnv
-from nodraft.drafters.ngrams import SuffixIndex, request_index
+from nodraft.drafters.ngrams import ResponseStore, SuffixIndex, request_index
 
 
 class SuffixDecoding(DrafterBase):
@@ -50,9 +51,14 @@ class SuffixDecoding(DrafterBase):
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
-        # The global index is shared by every request of this model; the server's engine
-        # thread is its only user, so it needs no lock.
-        self.global_index: SuffixIndex = env.shared.setdefault("suffix_global", SuffixIndex())
+        # The store is shared by every request of this model; the server's engine thread is
+        # its only user, so it needs no lock.
+        self.store: ResponseStore = env.shared.setdefault("suffix_global", ResponseStore())
+
+    @property
+    def global_index(self) -> SuffixIndex:
+        """The store of previous responses, indexed (``ResponseStore.index``)."""
+        return self.store.index
 
     def proposal(self, ctx: DraftContext, budget: int
                  ) -> tuple[list[int], list[int] | None, int]:
@@ -80,12 +86,6 @@ class SuffixDecoding(DrafterBase):
         return Draft.of(*self.proposal(ctx, budget))
 
     def close(self, ctx: DraftContext) -> None:
-        """Add the finished response to the global index, evicting the oldest beyond the
-        cap."""
-        g, cap = self.global_index, self.params.max_cached_responses
-        response = ctx.tokens[ctx.prompt_len:]
-        if cap == 0 or not response:
-            return
-        g.add(response)
-        while len(g.stored) > cap:
-            g.evict_oldest()
+        """Keep the finished response in the store, evicting the oldest beyond the cap;
+        it is indexed when the store is next read (``ResponseStore``)."""
+        self.store.keep(ctx.tokens[ctx.prompt_len:], self.params.max_cached_responses)

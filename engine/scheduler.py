@@ -132,22 +132,26 @@ class DraftScheduler:
         the pass's decode rows besides drafts (one per stepping sequence), ``prefill_rows``
         its prompt rows. Where no sequence may draft (plain decoding's, or drafters that
         declined this step in advance) nothing is planned, priced or probed."""
-        if all(kmax <= 0 for _, _, kmax in states):  # none may draft (plain decoding's)
-            return [0] * len(states)
+        ks = [0] * len(states)
+        # only those that may draft are planned: at rest most of a batch may not (a
+        # resting ``auto``, plain decoding), and the plan's rounds go over each planned one
+        may = [j for j, (_, _, kmax) in enumerate(states) if kmax > 0]
+        if not may:  # none may draft (plain decoding's)
+            return ks
         co = self.timer.coefficients
         base_tokens = float(len(states))
         base_time = (co.a + co.b * rows + co.prefill * prefill_rows
                      + (self.overhead or 0.0) * len(states))
         G = base_tokens / base_time
-        ks = [0] * len(states)
         # each belief's tokens(k) at its mean, fixed during the plan, made only for one whose
         # first draft token pays at some round's G (E[alpha] / c > G; most do not, and
         # making the list costs more than the rest of a sequence's plan)
         expected: list[list[float] | None] = [None] * len(states)
         for _ in range(4):
             gain, cost = 0.0, 0.0
-            for j, (st, method, kmax) in enumerate(states):
-                if kmax <= 0 or st.alpha / co.draft <= G:  # marginal_length's first test
+            for j in may:
+                st, method, kmax = states[j]
+                if st.alpha / co.draft <= G:  # marginal_length's first test
                     ks[j] = 0
                     continue
                 if expected[j] is None:
@@ -162,23 +166,24 @@ class DraftScheduler:
             if abs(G_new - G) < 1e-3 * G:
                 break
             G = G_new
-        self._probe(states, ks, G, co)
+        self._probe(states, may, ks, G, co)
         return ks
 
-    def _probe(self, states: list[tuple[SeqDraftState, str, int]], ks: list[int], G: float,
-               co: PassCoefficients) -> None:
+    def _probe(self, states: list[tuple[SeqDraftState, str, int]], may: list[int],
+               ks: list[int], G: float, co: PassCoefficients) -> None:
         """One-token probes: a sequence probes once its own idle steps, or those of every
         sequence of its kind since the kind last drafted, reach its kind's
         ``probe_after``. A sampled kind's probe is priced with the time it takes to ask
         its drafter, a greedy kind's without: greedy text on a small model enters loops
         that repay the asking many times over, sampled text rarely (docs/LOG.md,
         2026-12-03)."""
-        drafting = {st.key for (st, _, _), k in zip(states, ks) if k}
+        drafting = {states[j][0].key for j in may if ks[j]}
         for key in drafting:
             self.pooled_idle[key] = 0
         waits: dict[tuple, int] = {}
-        for j, (st, method, kmax) in enumerate(states):
-            if ks[j] or kmax <= 0 or st.key in drafting:
+        for j in may:  # (``may``: those whose own max is above 0)
+            st, method, _ = states[j]
+            if ks[j] or st.key in drafting:
                 continue
             wait = waits.get(st.key)
             if wait is None:  # a greedy kind's probe is priced at its block alone

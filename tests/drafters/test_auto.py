@@ -250,7 +250,7 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
     assert auto.drafters == {}
     auto.close(ctx)
     assert list(auto.drafters) == ["suffix"]
-    assert len(shared["suffix"]["suffix_global"].stored) == 1
+    assert len(shared["suffix"]["suffix_global"]) == 1
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.3, 0.7, 1.0])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from nodraft.drafters.base import DraftContext
 from nodraft.drafters.registry import DrafterEnv
-from nodraft.drafters.ngrams import RequestIndex, SuffixIndex, grow_tree
+from nodraft.drafters.ngrams import RequestIndex, ResponseStore, SuffixIndex, grow_tree
 from nodraft.drafters.suffix import SuffixDecoding
 from nodraft.micro.model import KVCache
 from tests.conftest import TINY, tiny_model
@@ -123,6 +123,59 @@ def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
     assert len(index.tokens) <= 2 * sum(len(r) + 1 for r in kept)
 
 
+def _kept(index):
+    return [index.tokens[s - index.base:s - index.base + n] for s, n in index.stored]
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), max_size=8), st.integers(0, 4),
+                          st.booleans()), min_size=1, max_size=30),
+       st.lists(st.integers(0, 3), min_size=1, max_size=8), st.sampled_from([1, 6, 12, 10**9]))
+def test_the_store_indexed_when_read_is_the_index_kept_at_each_response(keeps, query,
+                                                                         read_tokens):
+    """Responses kept with a cap each (0 keeps nothing), the store read now and then: a
+    read finds the responses an index that took each at its keep holds, in order, with the
+    same drafts as that index -- unless, after as many responses kept unread as their cap,
+    what waits unindexed is more than ``read_tokens`` tokens: then the newest of those
+    that fit (at least one)."""
+    store = ResponseStore(max_occurrences=10**9, read_tokens=read_tokens)
+    responses: list[list[int]] = []
+    alive: list[int] = []  # what an index taking each response at its keep holds (ids)
+    indexed: list[int] = []  # what the store's index holds, read or not
+    unread, waiting = 0, False
+    limit = limiter(1.0)
+    for response, cap, read in keeps + [([], 0, True)]:
+        if cap and response:
+            responses.append(list(response))
+            alive = (alive + [len(responses) - 1])[-cap:]
+            if unread < cap and not waiting:  # indexed as it is kept
+                indexed = alive
+            else:
+                waiting = True
+            unread += 1
+        store.keep(list(response), cap)
+        assert len(store) == len(alive)
+        if not read:
+            continue
+        waits = [i for i in alive if i not in indexed]
+        fit, tokens = [], 0
+        for i in reversed(waits):  # the newest waiting that fit, at least one
+            tokens += len(responses[i])
+            if fit and tokens > read_tokens:
+                break
+            fit.insert(0, i)
+        if fit != waits:
+            alive = fit
+        indexed, unread, waiting = alive, 0, False
+        index = store.index
+        kept = [responses[i] for i in alive]
+        assert _kept(index) == kept and len(store) == len(kept)
+        eager = SuffixIndex(max_occurrences=10**9)
+        for r in kept:
+            eager.add(r)
+        assert index.draft(query, 4, limit, 0.1, 8) == eager.draft(query, 4, limit, 0.1, 8)
+
+
 def test_the_draft_follows_the_most_frequent_continuation_as_a_tree():
     # [1 2] was followed by 3 twice and by 4 once: 3 first, 4 as its sibling
     tokens = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2]
@@ -149,7 +202,8 @@ def test_the_drafter_keeps_the_last_responses_and_drafts_from_them():
     drafter = SuffixDecoding(SuffixDecoding.Params(max_cached_responses=2), env)
     for response in ([40, 41, 42], [50, 51, 52], [60, 61, 62]):
         drafter.close(DraftContext([1] + response, 1, MODEL, KVCache(TINY, 1), 0))
-    assert list(drafter.global_index.stored) == [(5, 3), (9, 3)]  # (start, length)
+    g = drafter.global_index
+    assert [g.tokens[s - g.base:s - g.base + n] for s, n in g.stored] == [[50, 51, 52], [60, 61, 62]]
 
     def draft(tokens):
         return drafter.propose(DraftContext(tokens, len(tokens), MODEL, KVCache(TINY, 1), 0),

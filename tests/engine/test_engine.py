@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nodraft.drafters.base import Draft
-from nodraft.drafters.ngrams import SuffixIndex
+from nodraft.drafters.ngrams import ResponseStore
 from nodraft.drafters.registry import Registry, SpeculationError
 from nodraft.engine.core import Engine, GenerationRequest, QueueFull
 from nodraft.engine.stats import SpecStats
@@ -605,14 +605,14 @@ def test_a_drafter_is_closed_after_its_requests_end_is_reported(cancel):
     engine.start()
     try:
         store = engine.shared.setdefault(("suffix", "micro"), {}).setdefault(
-            "suffix_global", SuffixIndex())
+            "suffix_global", ResponseStore())
         stored_at_end, first_step, ended = [], threading.Event(), threading.Event()
 
         def cb(ev):
             if ev.kind == "step":
                 first_step.set()
             elif ev.kind in ("finish", "error"):
-                stored_at_end.append(len(store.stored))
+                stored_at_end.append(len(store))
                 ended.set()
 
         method, params = Registry().parse({"method": "suffix"})
@@ -624,16 +624,16 @@ def test_a_drafter_is_closed_after_its_requests_end_is_reported(cancel):
         assert ended.wait(10)
         assert stored_at_end == [0]  # not yet when the end was reported
         deadline = time.time() + 5
-        while (engine.busy or not store.stored) and time.time() < deadline:
+        while (engine.busy or not len(store)) and time.time() < deadline:
             time.sleep(0.01)
-        assert not engine.busy and len(store.stored) == 1  # closed with nothing else to run
+        assert not engine.busy and len(store) == 1  # closed with nothing else to run
         # a request waiting for the slot is admitted after the close: its drafter sees the
         # response stored
         stored_at_admit = []
 
         def admitted(ev):
             if ev.kind == "admit":
-                stored_at_admit.append(len(store.stored))
+                stored_at_admit.append(len(store))
             if ev.kind in ("finish", "error"):
                 ended.set()
 
