@@ -9,7 +9,10 @@ from the table measured on this machine (``drafters.costs.PassCost``) plus the d
 own measured time plus what a drafted step costs besides its pass, more than an asked
 step without a draft (``_draft_overhead``: the draft's tensor, verification's and the
 commit's work on its rows -- measured on this server's lone steps, the median over recent
-ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). The candidates, and the
+ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). What an asked step takes
+beyond its pass whether it sends a draft or not is added to plain decoding's step and to
+every draft's alike (``_step_overhead``: the median over the server's recent asked steps
+without a draft): the choice is between whole steps, not passes. The candidates, and the
 signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
@@ -220,6 +223,7 @@ class Auto(DrafterBase):
         # and with a cheap drafter's draft; ``_draft_overhead`` prices drafts by them
         self.overhead: dict[str, deque] = env.shared.setdefault("auto_step_overhead", {})
         self._overhead: float | None = None  # ``_draft_overhead``, until a step is timed
+        self._base: float | None = None  # ``_step_overhead``, until a step is timed
         self._asked = False  # this step asked the candidates
         self._first = False  # this step is the first asked
         self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
@@ -362,7 +366,8 @@ class Auto(DrafterBase):
         return got
 
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
-        return tokens / (self.cost(1 + rows) + seconds + self._draft_overhead())
+        return tokens / (self.cost(1 + rows) + seconds + self._draft_overhead()
+                         + self._step_overhead())
 
     def _learn_overhead(self, ctx: DraftContext) -> None:
         """The last step's time beyond its pass (``ctx.step_seconds`` less the pass-cost
@@ -375,7 +380,7 @@ class Auto(DrafterBase):
         key = "drafted" if drafted else "asked"
         self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
             seconds - self.cost(rows))
-        self._overhead = self._floor = None
+        self._overhead = self._floor = self._base = None
 
     def _learn_plain(self, ctx: DraftContext) -> None:
         """The last step was a rested one, plain decoding's: its time beyond its pass into
@@ -402,6 +407,20 @@ class Auto(DrafterBase):
             else:
                 self._overhead = DRAFT_OVERHEAD_PRIOR * self.cost(1)
         return self._overhead
+
+    def _step_overhead(self) -> float:
+        """Seconds an asked step takes beyond its pass whether or not it sends a draft
+        (sampling, verification, the commit, auto's own ask): the median over this
+        server's recent asked steps without a draft (``_learn_overhead``), 0 until
+        ``OVERHEAD_MIN_STEPS`` are timed. Paid by plain decoding's token and a draft's
+        alike, it is in both sides of a choice: left out, a draft of a token or two was
+        priced against a plain step ~30% cheaper than the step it replaced, and ``auto``
+        sent none where suffix decoding's gained (docs/LOG.md, 2026-12-07)."""
+        if self._base is None:
+            asked = self.overhead.get("asked", ())
+            self._base = (max(0.0, statistics.median(asked))
+                          if len(asked) >= OVERHEAD_MIN_STEPS else 0.0)
+        return self._base
 
     def _rest_floor(self) -> int:
         """The shortest rest after an asked step where nothing paid: the steps over which
@@ -513,7 +532,8 @@ class Auto(DrafterBase):
         if self.cheap:  # on the request's context, so every candidate reads this one
             request_index(ctx)
         reg = self.reg
-        best_key, best_draft, best_g = None, None, 1.0 / self.cost(1)  # none
+        base = self._step_overhead()
+        best_key, best_draft, best_g = None, None, 1.0 / (self.cost(1) + base)  # none
         self.proposals = {}
         winner, self.winner = self.winner, None
         cheap = self.cheap if winner is None else (winner,)
@@ -527,7 +547,8 @@ class Auto(DrafterBase):
             est = self._estimate(key)
             if parents is None:  # a chain: trim to the best length
                 self.proposals[key] = tokens
-                g, k = best_length(est, len(tokens), self.cost, self._draft_overhead())
+                g, k = best_length(est, len(tokens), self.cost,
+                                   self._draft_overhead() + base)
                 if name == winner:  # a copy going on: at least twice the draft it took whole
                     k = max(k, min(len(tokens), 2 * self.won))
                 if g > best_g:
@@ -589,8 +610,9 @@ class Auto(DrafterBase):
             self._observe(key, depth, len(accepted))
             # a draft that paid for its step starts the rests over, the server's too
             seconds = 0.0 if key[0] in CHEAP else self.draft_seconds.get(key[0], 0.0)
-            if (self.cost is not None and (1 + len(accepted)) * self.cost(1)
-                    > self.cost(1 + rows) + seconds + self._draft_overhead()):
+            base = 0.0 if self.cost is None else self._step_overhead()
+            if (self.cost is not None and (1 + len(accepted)) * (self.cost(1) + base)
+                    > self.cost(1 + rows) + seconds + self._draft_overhead() + base):
                 self.pause = self.server_pause[self.reg] = 0
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
                 self.winner, self.won = key[0], depth

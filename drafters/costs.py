@@ -42,15 +42,21 @@ def timing_start(max_len: int) -> int:
 class PassCost:
     """Seconds of a target pass over ``rows`` rows: the table timed on this machine at
     ``ROWS`` sizes (interpolated; extrapolated past the largest), scaled by how the passes
-    requests run compare with it (``observe``) -- one scale for one-row passes, one for
-    passes of several rows (another graph), never below a one-row pass.
+    requests run compare with it (``observe``) -- a scale for one-row passes, and one for
+    each timed size of several rows, interpolated between them as the table is; never
+    below a one-row pass.
 
     The table prices passes as a loop of one size runs them. A request's passes cost
     more, and not by the same factor at every size: sampling and bookkeeping run between
     them, and a pass of several rows after one of one row (another graph) starts with its
     weights and code out of the caches. Priced by the table alone, drafts looked cheaper
     than they were, and ``auto`` drafted under sampling where drafts cost more than they
-    gave."""
+    gave. Nor is the factor one for every size of several rows: in a greedy decode, 2-,
+    3-, 5- and 9-row passes ran 1.4, 1.7, 2.0 and 2.2 times the table (probe, not kept:
+    docs/LOG.md, 2026-12-07), and with one scale learnt mostly from a loop's long drafts
+    a 2-row pass was priced 1.4-1.8x what it cost and ``auto`` sent no short draft. A size
+    no pass of its own has taught yet is priced at the one-row passes' scale (the
+    cheapest guess: a draft that then costs more teaches its size its price)."""
 
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)
@@ -58,7 +64,31 @@ class PassCost:
         # every size a draft can reach, looked up rather than interpolated per call
         self.by_rows = [self._interpolate(r) for r in range(MAX_ROWS + 1)]
         self.one_scale = 1.0  # moving averages of (a pass run) / (the table's figure):
-        self.rows_scale: float | None = None  # one-row passes; several (None: none seen)
+        # one-row passes'; each timed size of several rows' (None: none seen near it; the
+        # first entry, the one-row size's, unused)
+        self.scales: list[float | None] = [None] * len(self.rows)
+        self._brackets = [self._bracket(r) for r in range(MAX_ROWS + 1)]
+
+    def _bracket(self, rows: int) -> tuple[int, float]:
+        """(i, w): a pass of ``rows`` (> 1) rows is scaled by ``w`` of timed size i's scale
+        and the rest by size i - 1's; past the largest size, by the largest's; between one
+        row and the smallest timed size of several, by that size's."""
+        r = self.rows
+        if rows >= r[-1]:
+            return len(r) - 1, 1.0
+        i = next(i for i in range(1, len(r)) if rows <= r[i])
+        if i == 1:
+            return 1, 1.0
+        return i, (rows - r[i - 1]) / (r[i] - r[i - 1])
+
+    def _scale(self, rows: int) -> float:
+        i, w = self._brackets[rows] if rows <= MAX_ROWS else self._bracket(rows)
+        s, one = self.scales, self.one_scale
+        hi = one if s[i] is None else s[i]
+        if w == 1.0:
+            return hi
+        lo = one if s[i - 1] is None else s[i - 1]
+        return lo + w * (hi - lo)
 
     def table(self, rows: int) -> float:
         """The timed table's figure for ``rows``."""
@@ -68,27 +98,36 @@ class PassCost:
         one = self.one_scale * self.by_rows[1]
         if rows <= 1:
             return one
-        scale = self.one_scale if self.rows_scale is None else self.rows_scale
-        return max(one, scale * self.table(rows))
+        return max(one, self._scale(rows) * self.table(rows))
 
     def prices(self, rows: int) -> list[float]:
         """``[self(r) for r in range(rows + 1)]``, at once."""
-        one = self.one_scale * self.by_rows[1]
-        scale = self.one_scale if self.rows_scale is None else self.rows_scale
-        table = self.by_rows if rows <= MAX_ROWS else [self.table(r) for r in range(rows + 1)]
-        return [one, one] + [max(one, scale * table[r]) for r in range(2, rows + 1)]
+        one_scale = self.one_scale
+        one = one_scale * self.by_rows[1]
+        s = [one_scale if x is None else x for x in self.scales]
+        by_rows, brackets, out = self.by_rows, self._brackets, [one, one]
+        for r in range(2, rows + 1):
+            if r <= MAX_ROWS:
+                (i, w), t = brackets[r], by_rows[r]
+            else:
+                (i, w), t = self._bracket(r), self._interpolate(r)
+            out.append(max(one, (s[i] if w == 1.0 else s[i - 1] + w * (s[i] - s[i - 1])) * t))
+        return out
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A request's pass of ``rows`` rows took ``seconds``: move the scale of its kind
-        (one row, several) a step (``LEARN``) towards what it says. A pass counts as at
-        most three times its price, so a preempted one moves the scale little."""
+        """A request's pass of ``rows`` rows took ``seconds``: move the scale of its size
+        a step (``LEARN``) towards what it says -- for a size between two timed ones, each
+        of theirs by its share. A pass counts as at most three times its price, so a
+        preempted one moves the scales little."""
         ratio = seconds / self.table(rows)
         if rows <= 1:
             self.one_scale += LEARN * (min(ratio, 3.0 * self.one_scale) - self.one_scale)
-        else:
-            now = self.one_scale if self.rows_scale is None else self.rows_scale
-            self.rows_scale = now + LEARN * (min(ratio, 3.0 * now) - now)
-
+            return
+        i, w = self._brackets[rows] if rows <= MAX_ROWS else self._bracket(rows)
+        for j, share in ((i, w), (i - 1, 1.0 - w)):
+            if share > 0.0:
+                now = self.one_scale if self.scales[j] is None else self.scales[j]
+                self.scales[j] = now + share * LEARN * (min(ratio, 3.0 * now) - now)
     def _interpolate(self, rows: int) -> float:
         r, s = self.rows, self.secs
         if rows <= r[0]:

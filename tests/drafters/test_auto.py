@@ -572,8 +572,9 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
         auto._learn_overhead(ctx)
 
     for i in range(OVERHEAD_MIN_STEPS):
-        timed(1, False, 2 * one)  # asked, nothing sent: two passes' worth besides the pass
-        timed(3, True, 5 * one if i else 500 * one)  # drafted: three more (one stalled)
+        timed(1, False, 0.0)  # asked, nothing sent: nothing besides the pass (as the
+        # table's passes; an asked step's own work is priced apart: the test below)
+        timed(3, True, 3 * one if i else 500 * one)  # drafted: three passes more (one stalled)
     assert auto._draft_overhead() == pytest.approx(3 * one)  # medians: the stall is ignored
     assert shared["auto_step_overhead"]["asked"]  # kept server-wide
     # a belief that pays for a draft priced at the prior does not pay for one three passes
@@ -588,6 +589,38 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     auto._overhead = None
     auto.est[key] = dataclasses.replace(belief)
     assert not len(auto.propose(ctx, 8))
+
+
+def test_an_asked_steps_own_work_is_priced_on_both_sides_of_a_choice():
+    """What an asked step takes beyond its pass whether it sends a draft or not -- the
+    median over the server's asked steps without one, once ``OVERHEAD_MIN_STEPS`` are
+    timed -- is added to plain decoding's step and to each draft's alike: a draft that
+    does not pay against the pass alone pays against the whole step."""
+    from nodraft.drafters.auto import OVERHEAD_MIN_STEPS
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    shared: dict = {}
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its 3-gram [3 7 2] matches
+    auto.propose(ctx, 8)
+    auto.observe(ctx, [])
+    one, key = auto.cost(1), ("prompt_lookup", 3, "greedy")
+    belief = Acceptance(0.05, 1.0)  # a draft token accepted ~5% of the time
+    assert best_length(belief, 8, auto.cost, 0.0)[0] < 1.0 / one  # not against the pass
+    assert best_length(belief, 8, auto.cost, 3 * one)[0] > 1.0 / (4 * one)  # against a step
+    auto._overhead = 0.0  # a draft's own extra work apart
+    auto.est[key] = dataclasses.replace(belief)
+    assert auto._step_overhead() == 0.0 and not len(auto.propose(ctx, 8))  # none timed yet
+    auto.observe(ctx, [])
+    auto._timing = None
+    for _ in range(OVERHEAD_MIN_STEPS):  # asked steps that took three passes' worth more
+        auto._timing = (1, False)
+        ctx.step_seconds = auto.cost(1) + 3 * one
+        auto._learn_overhead(ctx)
+    auto._overhead = 0.0
+    assert auto._step_overhead() == pytest.approx(3 * one)
+    auto.est[key] = dataclasses.replace(belief)
+    assert len(auto.propose(ctx, 8))
 
 
 def test_an_ask_is_priced_and_rests_last_long_enough(monkeypatch):

@@ -116,14 +116,24 @@ def test_pass_prices_learn_from_the_passes_requests_run():
     assert cost(3) == pytest.approx(1.6 * 1.8e-3, rel=1e-3)  # no pass of several rows seen
     cost.observe(3, 2 * 1.8e-3 * 1.6)  # a 3-row pass at twice its price
     assert cost(3) == pytest.approx(1.8e-3 * 1.6 * (1 + LEARN))  # one step of the way
-    assert cost(9) == pytest.approx(3e-3 * 1.6 * (1 + LEARN))  # every size of several rows
-    for _ in range(300):  # passes of several rows at 0.4x the table
-        cost.observe(5, 0.8e-3)
-    assert cost(17) == pytest.approx(0.4 * 5e-3, rel=1e-3)
+    assert cost(9) == pytest.approx(3e-3 * 1.6)  # its size's scale alone
+    assert cost(4) == pytest.approx(1.9e-3 * 1.6 * (1 + LEARN / 2))  # between 3 and 5
+    for _ in range(300):  # 9-row passes at 2x the table: 9's scale, and between its neighbours
+        cost.observe(9, 2 * 3e-3)
+    assert cost(9) == pytest.approx(2 * 3e-3, rel=1e-3)
+    assert cost(13) == pytest.approx((2 + 1.6) / 2 * 4e-3, rel=1e-3)
+    assert cost(30) == pytest.approx(1.6 * cost.table(30))  # past 17: 17's, unseen
+    for _ in range(300):  # 2-row passes at 0.4x the table
+        cost.observe(2, 0.6e-3)
     assert cost(2) == cost(1)  # 0.4 x 1.5e-3 would be below a one-row pass: never
+    assert cost.prices(40) == [cost(r) for r in range(41)]
     before = cost.one_scale
     cost.observe(1, 1.0)  # a preempted pass: counted as three times its price at most
     assert cost.one_scale == pytest.approx(before + LEARN * 2 * before)
+    fresh = PassCost({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3})
+    fresh.observe(4, 2 * 1.9e-3)  # half-way between 3 and 5: half a step each
+    assert fresh(3) == pytest.approx(1.8e-3 * (1 + LEARN / 2))
+    assert fresh(5) == pytest.approx(2e-3 * (1 + LEARN / 2))
 
 
 def test_a_sequence_teaches_its_prices_with_whole_passes_only():
