@@ -414,8 +414,8 @@ class Auto(DrafterBase):
         server's recent asked steps without a draft (``_learn_overhead``), 0 until
         ``OVERHEAD_MIN_STEPS`` are timed. Paid by plain decoding's token and a draft's
         alike, it is in both sides of a choice: left out, a draft of a token or two was
-        priced against a plain step ~30% cheaper than the step it replaced, and ``auto``
-        sent none where suffix decoding's gained (docs/LOG.md, 2026-12-07)."""
+        priced against a plain step cheaper than the step it replaced, and ``auto`` sent
+        none where suffix decoding's gained (docs/LOG.md, 2026-12-07)."""
         if self._base is None:
             asked = self.overhead.get("asked", ())
             self._base = (max(0.0, statistics.median(asked))

@@ -46,17 +46,17 @@ class PassCost:
     each timed size of several rows, interpolated between them as the table is; never
     below a one-row pass.
 
-    The table prices passes as a loop of one size runs them. A request's passes cost
-    more, and not by the same factor at every size: sampling and bookkeeping run between
-    them, and a pass of several rows after one of one row (another graph) starts with its
-    weights and code out of the caches. Priced by the table alone, drafts looked cheaper
-    than they were, and ``auto`` drafted under sampling where drafts cost more than they
-    gave. Nor is the factor one for every size of several rows: in a greedy decode, 2-,
-    3-, 5- and 9-row passes ran 1.4, 1.7, 2.0 and 2.2 times the table (probe, not kept:
-    docs/LOG.md, 2026-12-07), and with one scale learnt mostly from a loop's long drafts
-    a 2-row pass was priced 1.4-1.8x what it cost and ``auto`` sent no short draft. A size
-    no pass of its own has taught yet is priced at the one-row passes' scale (the
-    cheapest guess: a draft that then costs more teaches its size its price)."""
+    The table prices passes as a loop of one size runs them, past few cached rows. A
+    request's passes cost more, and not by the same factor at every size: sampling and
+    bookkeeping run between them, a pass of several rows after one of one row (another
+    graph) starts with its weights and code out of the caches, and each row reads all the
+    request's cached rows. Priced by the table alone, drafts looked cheaper than they
+    were, and ``auto`` drafted under sampling where drafts cost more than they gave;
+    priced with one scale for every size of several rows, learnt mostly from a loop's
+    long drafts, short drafts looked dearer than they were, and ``auto`` sent none where
+    they paid (docs/LOG.md, 2026-12-07). A size no pass of its own has taught yet is
+    priced at the one-row passes' scale (the cheapest guess: a draft that then costs more
+    teaches its size its price)."""
 
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)

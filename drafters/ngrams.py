@@ -238,7 +238,7 @@ class ResponseStore:
     Every other read finds what an index that took each response at its keep holds
     (tests/drafters/test_suffix.py)."""
 
-    # the most tokens a read after a spell unread indexes: about a prefill chunk's time
+    # the most tokens a read after a spell unread indexes: about a prefill chunk's work
     READ_TOKENS = 4096
 
     def __init__(self, max_occurrences: int = SuffixIndex.MAX_OCCURRENCES,
