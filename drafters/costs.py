@@ -81,14 +81,17 @@ class PassCost:
             return 1, 1.0
         return i, (rows - r[i - 1]) / (r[i] - r[i - 1])
 
-    def _scale(self, rows: int) -> float:
-        i, w = self._brackets[rows] if rows <= MAX_ROWS else self._bracket(rows)
-        s, one = self.scales, self.one_scale
-        hi = one if s[i] is None else s[i]
-        if w == 1.0:
-            return hi
-        lo = one if s[i - 1] is None else s[i - 1]
-        return lo + w * (hi - lo)
+    def _at(self, rows: int) -> tuple[int, float]:
+        return self._brackets[rows] if rows <= MAX_ROWS else self._bracket(rows)
+
+    def _scales(self) -> list[float]:
+        """Each timed size's scale, the one-row scale where none is learnt yet."""
+        one = self.one_scale
+        return [one if x is None else x for x in self.scales]
+
+    @staticmethod
+    def _blend(s: list[float], i: int, w: float) -> float:
+        return s[i] if w == 1.0 else s[i - 1] + w * (s[i] - s[i - 1])
 
     def table(self, rows: int) -> float:
         """The timed table's figure for ``rows``."""
@@ -98,17 +101,15 @@ class PassCost:
         one = self.one_scale * self.by_rows[1]
         if rows <= 1:
             return one
-        return max(one, self._scale(rows) * self.table(rows))
+        return max(one, self._blend(self._scales(), *self._at(rows)) * self.table(rows))
 
     def prices(self, rows: int) -> list[float]:
         """``[self(r) for r in range(rows + 1)]``, at once."""
-        one_scale = self.one_scale
-        one = one_scale * self.by_rows[1]
-        s = [one_scale if x is None else x for x in self.scales]
-        by_rows, brackets, out = self.by_rows, self._brackets, [one, one]
-        for r in range(2, rows + 1):
+        one = self.one_scale * self.by_rows[1]
+        s, out = self._scales(), [one, one]
+        for r in range(2, rows + 1):  # ``_blend`` inlined: auto reads this at every ask
             if r <= MAX_ROWS:
-                (i, w), t = brackets[r], by_rows[r]
+                (i, w), t = self._brackets[r], self.by_rows[r]
             else:
                 (i, w), t = self._bracket(r), self._interpolate(r)
             out.append(max(one, (s[i] if w == 1.0 else s[i - 1] + w * (s[i] - s[i - 1])) * t))
@@ -123,7 +124,7 @@ class PassCost:
         if rows <= 1:
             self.one_scale += LEARN * (min(ratio, 3.0 * self.one_scale) - self.one_scale)
             return
-        i, w = self._brackets[rows] if rows <= MAX_ROWS else self._bracket(rows)
+        i, w = self._at(rows)
         for j, share in ((i, w), (i - 1, 1.0 - w)):
             if share > 0.0:
                 now = self.one_scale if self.scales[j] is None else self.scales[j]
