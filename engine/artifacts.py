@@ -46,6 +46,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = ("micro/compiled.py", "micro/model.py", "micro/ops.py", "micro/gemm.py",
         "micro/csrc/gemm.cpp", "micro/csrc/gemm.h", "micro/csrc/attend.cpp", "micro/csrc/simd.h",
         "drafters/eagle/head.py", "drafters/eagle/compiled.py")
+BUILD_NICE = 19  # build_niceness()'s default
 VERSION = 2  # of this layout and of how graphs are saved: a change rebuilds them
 
 
@@ -307,7 +309,7 @@ class Store:
     # -- the server's side -------------------------------------------------------------------
     def ensure(self) -> Path:
         """The store's folder, built first by a process of its own if it is not complete
-        (at the lowest priority, on every core, dying with its parent). Raises with the
+        (below the requests' priority, on every core, dying with its parent). Raises with the
         reason when the build fails."""
         if self.complete():
             return self.path
@@ -359,15 +361,42 @@ def claimer(folder: Path):
     return claim
 
 
+def build_niceness() -> int:
+    """The niceness a server's own builds run at (its kernels' compile in the engine's
+    warm-up thread, its compiled passes' build process): ``NODRAFT_BUILD_NICE``, else
+    ``BUILD_NICE``. Below the requests', so that they keep most of the CPU, and not the
+    lowest: a server kept busy from its first second must still finish its build
+    (docs/BENCHMARKS.md, "First start under load")."""
+    value = os.environ.get("NODRAFT_BUILD_NICE")
+    return min(19, max(0, int(value))) if value else BUILD_NICE
+
+
+def every_core() -> range:
+    """Every core of the machine: where a build runs, not the engine's own core alone --
+    the requests' processes keep theirs, and a build pinned beside the engine's loop waited
+    on it while another core idled (docs/BENCHMARKS.md, "First start under load")."""
+    return range(os.cpu_count() or 1)
+
+
+def as_a_build(niceness: int | None = None) -> None:
+    """This thread (and what it starts from now on) as a build's: ``niceness`` (default
+    ``build_niceness()``; never made less nice than it is) and every core."""
+    nice = build_niceness() if niceness is None else niceness
+    with contextlib.suppress(AttributeError, OSError):
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(nice, os.getpriority(os.PRIO_PROCESS, me)))
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(0, every_core())
+
+
 def _as_a_background_build(parent_pid: int) -> None:
-    """The server's builder: the lowest priority, every core (not the engine's affinity),
-    and death with the engine that started it (``PR_SET_PDEATHSIG``; gone already: exit)."""
+    """The server's builder: below the requests' priority (``build_niceness``), every core
+    (not the engine's affinity), and death with the engine that started it
+    (``PR_SET_PDEATHSIG``; gone already: exit)."""
     from nodraft.engine.launch import die_with_parent
 
     die_with_parent(parent_pid)
-    os.nice(19)
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    as_a_build()
 
 
 def _last_line(path: Path) -> str:

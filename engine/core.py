@@ -33,6 +33,7 @@ compiled too once their families are (``CompiledPasses.packed``), eager until th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -53,6 +54,7 @@ from nodraft.drafters.registry import Registry
 from nodraft.micro.model import KVCache, Micro
 from nodraft.micro.ops import inference
 from nodraft.micro.packed import Segment, forward_packed, packed_draft_cap
+from nodraft.engine.artifacts import as_a_build
 from nodraft.engine.launch import KV_CACHE_DTYPES, PREFIX_CACHE_BYTES
 from nodraft.engine.prefix_cache import PrefixCache
 from nodraft.engine.scheduler import DraftScheduler, SeqDraftState
@@ -171,6 +173,7 @@ class Engine:
         self.compiled_ready = False  # warm_up finished
         self.compiled_error: str | None = None  # warm_up failed: eager passes only
         self._warming = False  # warm_up's thread is compiling
+        self._engine_cores: set[int] | None = None  # warm_up's thread's, before it widened
         # the pass-cost tables wait for the compiled passes (a warm start loads them in
         # seconds: an eager table measured meanwhile would only slow the load down)
         self.costs_after_load = False
@@ -212,10 +215,11 @@ class Engine:
             torch.set_num_threads(1)
             self._warming = True
             t0 = time.perf_counter()
-            try:  # the compiler (and the C++ compilers it starts) yields the CPU to requests
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError):
-                pass
+            # the compilers it starts (nodraft's kernels; inductor's, or the build process's)
+            # yield the CPU to requests, and use every core, not the engine's alone; what
+            # it times, it times on the engine's cores (``_on_engine_cores``)
+            self._engine_cores = _affinity()
+            as_a_build()
             # compiling is mostly Python holding the GIL; every torch call of the engine's
             # eager steps meanwhile waits for it, up to a switch interval each
             switch = sys.getswitchinterval()
@@ -301,9 +305,24 @@ class Engine:
             # else the first request after "ready" (auto's, or its figures) would time it
             self.between_requests()
             try:
-                costs.measure(model, scratch, 0, costs.timing_start(scratch.max_len))
+                with self._on_engine_cores():
+                    costs.measure(model, scratch, 0, costs.timing_start(scratch.max_len))
             except Exception:  # the engine's idle measurement tries again, and logs it
                 log.debug("nodraft: %s's pass costs not measured after the load", name)
+
+    @contextlib.contextmanager
+    def _on_engine_cores(self):
+        """This (warm-up) thread on the engine's cores meanwhile: what it times is what
+        the engine's passes cost where they run."""
+        if self._engine_cores is None:
+            yield
+            return
+        wide = _affinity()
+        _set_affinity(self._engine_cores)
+        try:
+            yield
+        finally:
+            _set_affinity(wide)
 
     def _warm_up_drafters(self, name: str, model: Micro, compile: bool = True) -> None:
         """Drafters with compiled graphs of their own (a ``warm_up(cache)`` method: EAGLE's
@@ -748,3 +767,17 @@ def _scatter(out: list, jobs: list[int], sizes: list[int], ids: list[int]) -> No
 
 def _depth(result: StepResult) -> int:
     return len(result.draft)  # chains; a tree's depth is at most its size
+
+
+def _affinity() -> set[int] | None:
+    """The calling thread's cores (None where the platform does not say)."""
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+
+
+def _set_affinity(cores: set[int] | None) -> None:
+    if cores:
+        with contextlib.suppress(AttributeError, OSError):
+            os.sched_setaffinity(0, cores)

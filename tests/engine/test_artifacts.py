@@ -254,3 +254,53 @@ def test_a_load_that_breaks_after_the_build_leaves_the_engine_serving_eager(monk
     engine.warm_up(load=lambda: None).join(timeout=60)
     assert not engine.compiled_ready and "would not run" in engine.compiled_error
     assert model.compiled is None and not engine._warming
+
+
+def test_build_niceness_is_the_settings_and_clamped(monkeypatch):
+    monkeypatch.delenv("NODRAFT_BUILD_NICE", raising=False)
+    assert artifacts.build_niceness() == artifacts.BUILD_NICE
+    for value, expected in (("5", 5), ("0", 0), ("40", 19), ("-3", 0)):
+        monkeypatch.setenv("NODRAFT_BUILD_NICE", value)
+        assert artifacts.build_niceness() == expected
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_servers_build_runs_on_every_core_below_the_requests(monkeypatch):
+    """The engine's loop keeps its own core; the build its warm-up thread starts -- the
+    kernels' compilers, the build process -- gets every core at the build's niceness
+    (pinned beside the loop, it waited on the requests while the other core idled), and
+    the pass-cost table is still timed on the engine's core."""
+    import threading
+
+    from nodraft.drafters import costs
+    from nodraft.drafters.registry import Registry
+    from nodraft.engine.core import Engine
+
+    monkeypatch.setenv("NODRAFT_BUILD_NICE", "7")
+    model = tiny_model(dtype=torch.float32, config=SMALL).compile(lazy=False, gemm="torch")
+    engine = Engine({"tiny": model}, Registry(), eot_id=None, max_running=2)
+    seen = {}
+
+    def build():  # in the warm-up thread, as the server's load is
+        me = threading.get_native_id()
+        seen["thread"] = (os.sched_getaffinity(0), os.getpriority(os.PRIO_PROCESS, me))
+        child = subprocess.run([sys.executable, "-c", "import os; print(len("
+                                "os.sched_getaffinity(0)), os.getpriority(os.PRIO_PROCESS, 0))"],
+                               capture_output=True, text=True, check=True)
+        seen["child"] = [int(x) for x in child.stdout.split()]
+
+    def measure(*args, **kwargs):
+        seen["measured on"] = os.sched_getaffinity(0)
+    monkeypatch.setattr(costs, "measure", measure)
+    loop_core = min(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {loop_core})  # this thread as the engine's loop: one core
+    try:
+        engine.warm_up(load=build).join(timeout=120)
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert engine.compiled_ready, engine.compiled_error
+    cores, nice = seen["thread"]
+    assert cores >= mine and nice == 7  # every core, not the loop's alone
+    assert seen["child"] == [len(cores), 7]  # and so what it starts
+    assert seen["measured on"] == {loop_core}
