@@ -169,3 +169,35 @@ def die_with_parent(parent_pid: int) -> None:
             pass
     if os.getppid() != parent_pid:
         os._exit(0)
+
+
+def stop_children(sig: int = signal.SIGTERM) -> list[int]:
+    """Send ``sig`` to every process whose parent is this one, and return their ids: what
+    an exiting engine leaves would otherwise run on. Its build process dies with it
+    (``die_with_parent``), but the compilers of nodraft's kernels are ``ninja``'s, which
+    torch's extension build starts from the warm-up thread -- a server stopped midway
+    left them compiling for minutes, into the build folder its next start builds in
+    (``ninja`` stops its compilers when it is stopped). Reads ``/proc``; elsewhere a
+    no-op."""
+    me, stopped = os.getpid(), []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return stopped
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses
+            ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me:
+            try:
+                os.kill(int(entry), sig)
+                stopped.append(int(entry))
+            except OSError:
+                pass
+    return stopped

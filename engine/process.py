@@ -35,7 +35,7 @@ import zmq
 from nodraft.drafters.registry import Registry
 from nodraft.engine import messages
 from nodraft.engine.core import Engine, Event, GenerationRequest, Handle
-from nodraft.engine.launch import EngineConfig, io_context
+from nodraft.engine.launch import EngineConfig, io_context, stop_children
 
 log = logging.getLogger("nodraft.engine")
 
@@ -166,7 +166,11 @@ def run_engine_process(config: EngineConfig, input_address: str, output_address:
         outbox.close()  # lingers until the last outputs are written
         inbox.close(linger=0)
         context.term()
-    # daemon threads (a compile in progress) must not hold the exit up
+    # daemon threads (a compile in progress) must not hold the exit up, nor outlive it
+    # through the processes they started (the kernels' compilers)
+    stopped = stop_children()
+    if stopped:
+        log.info("nodraft: stopped the engine's child processes %s", stopped)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

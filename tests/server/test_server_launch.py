@@ -190,3 +190,48 @@ def test_a_server_stopped_during_its_start_leaves_nothing_behind(serve_checkpoin
     finally:
         again.send_signal(signal.SIGTERM)
         assert again.wait(timeout=60) == 0
+
+
+def test_a_server_stopped_while_its_kernels_build_leaves_no_compiler_running(
+        serve_checkpoints, tmp_path):
+    """A first start builds nodraft's kernels from the engine's warm-up thread (``ninja``
+    and its compilers, children of the engine). A SIGTERM to the server alone stops the
+    engine, and the engine stops them as it exits (``engine.launch.stop_children``):
+    left running, they compiled on for minutes into the folder the next start builds in."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(free_port()),
+         "--checkpoints", str(serve_checkpoints), "--compile", "true",
+         "--compile-cache", str(tmp_path / "cc"), "--threads", "1", "--log-level", "warning"],
+        cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marker = f"TMPDIR={tmp_path}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _named(started_with(marker), "ninja") and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        if not _named(started_with(marker), "ninja"):
+            pytest.skip("no kernel build started here (no AVX2 / AVX-512, or no compiler)")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    deadline = time.monotonic() + 15
+    while started_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = {pid: _comm(pid) for pid in started_with(marker)}
+    assert not left, left
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _named(pids: list[int], name: str) -> list[int]:
+    return [p for p in pids if _comm(p) == name]
