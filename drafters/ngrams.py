@@ -167,13 +167,22 @@ class SuffixIndex:
         best, starts, limit = m, [], min(max_len, n)
         tail = query[n - limit:]
         for e in ends:
-            if e - base - limit + 1 >= 0 and toks[e - base - limit + 1:e - base + 1] == tail:
+            end = e - base + 1
+            if end - limit >= 0 and toks[end - limit:end] == tail:
                 length = limit  # the whole way (one comparison in C: loops are common)
-            else:
-                length = m
-                while (length < limit and e - length >= base
-                       and toks[e - length - base] == query[n - 1 - length]):
+            else:  # the longest that matches: a token further, then by halves (each
+                # test one comparison in C; a match of length L holds every shorter one)
+                length, hi = m, min(limit - 1, end)
+                if length < hi and toks[end - length - 1] == tail[limit - length - 1]:
                     length += 1
+                else:
+                    hi = length
+                while length < hi:
+                    mid = (length + hi + 1) // 2
+                    if toks[end - mid:end] == tail[limit - mid:]:
+                        length = mid
+                    else:
+                        hi = mid - 1
             if length > best:
                 best, starts = length, [e + 1]
             elif length == best:
@@ -190,34 +199,52 @@ class SuffixIndex:
             return None
         toks, base, depth_left = self.tokens, self.base, max_depth - m
         size = base + len(toks)
+        limit = max_nodes(m)
+        # occurrences whose next tokens are the same as far as the tree can reach (its
+        # depth, its node budget) grow the same subtree: one of them stands for them all,
+        # with their number as its weight (a store holding a response many times -- a
+        # load test's, a repeated request's -- matched 64 alike occurrences a token)
+        reach = min(limit, depth_left)
+        weighted: dict[tuple, list[int]] = {}
+        for p in starts:
+            key = tuple(toks[p - base:p - base + reach])
+            rep = weighted.get(key)
+            if rep is None:
+                weighted[key] = [p, 1]
+            else:
+                rep[1] += 1
 
-        def follow(positions: list[int]) -> list[tuple[int, int]]:  # (token, position)
-            return [(t, p) for p in positions if p < size and (t := toks[p - base]) is not None]
+        def follow(nodes):  # [(position, weight)] -> [(token, position, weight)], live ones
+            return [(t, p, w) for p, w in nodes if p < size and (t := toks[p - base]) is not None]
 
-        def children(node):  # node: (continuation positions, depth below the match)
-            positions, depth = node
+        def children(node):  # node: (continuation positions and weights, depth below the match)
+            nodes, depth = node
             if depth >= depth_left:
                 return []
-            groups: dict[int, list[int]] = {}
-            for t, p in follow(positions):
-                groups.setdefault(t, []).append(p + 1)
-            return [(t, len(g), (g, depth + 1)) for t, g in groups.items()]
+            groups: dict[int, list] = {}
+            for t, p, w in follow(nodes):
+                g = groups.get(t)
+                if g is None:
+                    groups[t] = [w, [(p + 1, w)]]
+                else:
+                    g[0] += w
+                    g[1].append((p + 1, w))
+            return [(t, c, (g, depth + 1)) for t, (c, g) in groups.items()]
 
         # While every occurrence continues alike, the tree is a chain of probability 1:
         # walked directly (on repeating text, most drafts), the heap only past a fork.
-        limit = max_nodes(m)
-        chain, positions = [], starts
+        chain, nodes = [], [(p, w) for p, w in weighted.values()]
         while len(chain) < limit and len(chain) < depth_left:
-            live = follow(positions)
+            live = follow(nodes)
             if not live:
                 break
             t = live[0][0]
-            if len(live) > 1 and any(u != t for u, _ in live):
+            if len(live) > 1 and any(u != t for u, _, _ in live):
                 break
             chain.append(t)
-            positions = [p + 1 for _, p in live]
+            nodes = [(p + 1, w) for _, p, w in live]
         k = len(chain)
-        rest, parents, score = grow_tree((positions, k), limit - k, min_prob, children)
+        rest, parents, score = grow_tree((nodes, k), limit - k, min_prob, children)
         return (chain + rest, list(range(-1, k - 1)) + [q + k if q >= 0 else k - 1 for q in parents],
                 k + score, m)
 

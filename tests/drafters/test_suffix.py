@@ -123,6 +123,57 @@ def test_the_global_index_drafts_what_a_trie_of_the_kept_responses_drafts(
     assert len(index.tokens) <= 2 * sum(len(r) + 1 for r in kept)
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=20),
+                          st.integers(1, 20)), min_size=1, max_size=4),
+       st.lists(st.integers(0, 5), min_size=1, max_size=12), depths, probs, factors)
+def test_a_store_holding_responses_many_times_drafts_what_the_trie_drafts(
+        repeated, query, max_depth, min_prob, factor):
+    """A load test's store holds each prompt's response many times: the alike occurrences
+    are read as one of them with their number as its weight, and the draft is the trie's."""
+    index = SuffixIndex(max_occurrences=10**9)
+    kept = []
+    for r, times in repeated:
+        for _ in range(times):
+            index.add(list(r))
+            kept.append(r)
+    limit = limiter(factor)
+    assert index.draft(query, max_depth // 2, limit, min_prob, max_depth) == Trie(max_depth, kept).draft(
+        query, max_depth // 2, limit, min_prob)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(0, 1), min_size=1, max_size=40), min_size=1, max_size=6),
+       st.lists(st.integers(0, 1), min_size=1, max_size=40), st.integers(1, 32))
+def test_a_match_is_the_longest_suffix_found_in_the_responses(responses, query, max_len):
+    """``match`` (a K-gram's occurrences extended backwards by halves) against the
+    longest common suffix counted token by token at every indexed end: an n-gram ends
+    before its response's last token (that one is only a continuation)."""
+    index = SuffixIndex(max_occurrences=10**9)
+    for r in responses:
+        index.add(list(r))
+    cap = min(max_len, len(query))
+    found = {}  # end position -> the longest suffix of the query ending there (<= cap)
+    for start, n in index.stored:
+        r = index.tokens[start - index.base:start - index.base + n]
+        for end in range(n - 1):
+            length = 0
+            while length < cap and length <= end and r[end - length] == query[-1 - length]:
+                length += 1
+            if length:
+                found[start + end] = length
+    starts, m = index.match(query, max_len)
+    if not found:
+        assert (starts, m) == ([], 0)
+        return
+    longest = max(found.values())
+    if longest < min(SuffixIndex.K, cap):  # an m-gram's every end
+        want = [e + 1 for e in sorted(found) if found[e] >= longest]
+    else:  # extended: the ends that go furthest
+        want = [e + 1 for e in sorted(found) if found[e] == longest]
+    assert (starts, m) == (want, longest)
+
+
 def _kept(index):
     return [index.tokens[s - index.base:s - index.base + n] for s, n in index.stored]
 
