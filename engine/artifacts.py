@@ -363,12 +363,20 @@ def claimer(folder: Path):
 
 def build_niceness() -> int:
     """The niceness a server's own builds run at (its kernels' compile in the engine's
-    warm-up thread, its compiled passes' build process): ``NODRAFT_BUILD_NICE``, else
-    ``BUILD_NICE``. Below the requests', so that they keep most of the CPU, and not the
-    lowest: a server kept busy from its first second must still finish its build
-    (docs/BENCHMARKS.md, "First start under load")."""
-    value = os.environ.get("NODRAFT_BUILD_NICE")
-    return min(19, max(0, int(value))) if value else BUILD_NICE
+    warm-up thread, its compiled passes' build process): ``NODRAFT_BUILD_NICE`` (0-19),
+    else ``BUILD_NICE``, the lowest priority -- the requests keep the CPU they use, and
+    the build, on every core (``as_a_build``), takes what they leave (docs/BENCHMARKS.md,
+    "First start under load"). A value that is not a number is logged and the default
+    used."""
+    value = os.environ.get("NODRAFT_BUILD_NICE", "").strip()
+    if not value:
+        return BUILD_NICE
+    try:
+        return min(19, max(0, int(value)))
+    except ValueError:
+        log.warning("nodraft: NODRAFT_BUILD_NICE=%r is not a niceness (0-19); using %d",
+                    value, BUILD_NICE)
+        return BUILD_NICE
 
 
 def every_core() -> range:

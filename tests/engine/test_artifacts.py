@@ -259,7 +259,8 @@ def test_a_load_that_breaks_after_the_build_leaves_the_engine_serving_eager(monk
 def test_build_niceness_is_the_settings_and_clamped(monkeypatch):
     monkeypatch.delenv("NODRAFT_BUILD_NICE", raising=False)
     assert artifacts.build_niceness() == artifacts.BUILD_NICE
-    for value, expected in (("5", 5), ("0", 0), ("40", 19), ("-3", 0)):
+    for value, expected in (("5", 5), ("0", 0), ("40", 19), ("-3", 0),
+                            ("low", artifacts.BUILD_NICE), (" ", artifacts.BUILD_NICE)):
         monkeypatch.setenv("NODRAFT_BUILD_NICE", value)
         assert artifacts.build_niceness() == expected
 
