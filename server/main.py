@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if launched is not None:
             launched.close()  # a no-op once the application took it over
+        elif not settings.engine_process:  # the engine's warm-up ran here: its compilers
+            from nodraft.engine.launch import stop_children  # (an engine process stops its own)
+
+            stop_children()
 
 
 STOPS = {signal.SIGINT, signal.SIGTERM}

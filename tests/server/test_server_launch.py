@@ -192,18 +192,21 @@ def test_a_server_stopped_during_its_start_leaves_nothing_behind(serve_checkpoin
         assert again.wait(timeout=60) == 0
 
 
+@pytest.mark.parametrize("engine_process", ["true", "false"])
 def test_a_server_stopped_while_its_kernels_build_leaves_no_compiler_running(
-        serve_checkpoints, tmp_path):
+        serve_checkpoints, tmp_path, engine_process):
     """A first start builds nodraft's kernels from the engine's warm-up thread (``ninja``
     and its compilers, children of the engine). A SIGTERM to the server alone stops the
-    engine, and the engine stops them as it exits (``engine.launch.stop_children``):
-    left running, they compiled on for minutes into the folder the next start builds in."""
+    engine, and the engine stops them as it exits (``engine.launch.stop_children``; an
+    engine in the API process, as the API process exits): left running, they compiled on
+    for minutes into the folder the next start builds in."""
     env = {**os.environ, "TMPDIR": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "nodraft.server.cli", "serve", "--port", str(free_port()),
          "--checkpoints", str(serve_checkpoints), "--compile", "true",
-         "--compile-cache", str(tmp_path / "cc"), "--threads", "1", "--log-level", "warning"],
+         "--compile-cache", str(tmp_path / "cc"), "--threads", "1", "--log-level", "warning",
+         "--engine-process", engine_process],
         cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     marker = f"TMPDIR={tmp_path}"
