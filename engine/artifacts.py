@@ -379,22 +379,18 @@ def build_niceness() -> int:
         return BUILD_NICE
 
 
-def every_core() -> range:
-    """Every core of the machine: where a build runs, not the engine's own core alone --
-    the requests' processes keep theirs, and a build pinned beside the engine's loop waited
-    on it while another core idled (docs/BENCHMARKS.md, "First start under load")."""
-    return range(os.cpu_count() or 1)
-
-
-def as_a_build(niceness: int | None = None) -> None:
-    """This thread (and what it starts from now on) as a build's: ``niceness`` (default
-    ``build_niceness()``; never made less nice than it is) and every core."""
-    nice = build_niceness() if niceness is None else niceness
+def as_a_build() -> None:
+    """This thread (and what it starts from now on) as a build's: ``build_niceness()``
+    (never made less nice than it is) and every core of the machine, not the engine's
+    alone -- the requests' processes keep theirs, and a build pinned beside the engine's
+    loop waited on it while another core idled (docs/BENCHMARKS.md, "First start under
+    load")."""
     with contextlib.suppress(AttributeError, OSError):
         me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, max(nice, os.getpriority(os.PRIO_PROCESS, me)))
+        os.setpriority(os.PRIO_PROCESS, me,
+                       max(build_niceness(), os.getpriority(os.PRIO_PROCESS, me)))
     with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, every_core())
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def _as_a_background_build(parent_pid: int) -> None:
