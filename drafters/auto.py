@@ -586,11 +586,13 @@ class Auto(DrafterBase):
             return _NONE
         if isinstance(best_draft, Draft):  # a trained drafter's, sent whole
             draft = dataclasses.replace(best_draft, method=best_key[0])
+            depth = max(draft.depths())
         else:  # a cheap drafter's lists, cut to the chosen length
             tokens, parents, match_len, k = best_draft
-            draft = Draft.of(tokens[:k], None if parents is None else parents[:k], match_len,
-                             method=best_key[0])
-        self.last = (best_key, max(draft.depths()), len(draft))
+            parents = None if parents is None else parents[:k]
+            draft = Draft.of(tokens[:k], parents, match_len, method=best_key[0])
+            depth = k if parents is None else max(tree_depths(parents))
+        self.last = (best_key, depth, len(draft))
         return draft
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
@@ -610,9 +612,11 @@ class Auto(DrafterBase):
             self._observe(key, depth, len(accepted))
             # a draft that paid for its step starts the rests over, the server's too
             seconds = 0.0 if key[0] in CHEAP else self.draft_seconds.get(key[0], 0.0)
-            base = 0.0 if self.cost is None else self._step_overhead()
-            if (self.cost is not None and (1 + len(accepted)) * (self.cost(1) + base)
-                    > self.cost(1 + rows) + seconds + self._draft_overhead() + base):
+            # (nothing to start over where both are at 0 already: a greedy request's are)
+            if ((self.pause or self.server_pause.get(self.reg) != 0) and self.cost is not None
+                    and (1 + len(accepted)) * (self.cost(1) + self._step_overhead())
+                    > self.cost(1 + rows) + seconds + self._draft_overhead()
+                    + self._step_overhead()):
                 self.pause = self.server_pause[self.reg] = 0
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
                 self.winner, self.won = key[0], depth

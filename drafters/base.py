@@ -38,6 +38,7 @@ from torch import Tensor
 
 from nodraft.micro.checkpoint import CHECKPOINT_DIR
 from nodraft.micro.model import KVCache, Micro
+from nodraft.micro.ops import longs
 
 
 class SpeculationError(ValueError):
@@ -170,9 +171,11 @@ class Draft:
     def of(tokens: list[int], parents: list[int] | None = None, match_len: int = 0,
            **fields) -> "Draft":
         """A deterministic draft from lists: a chain when ``parents`` is None."""
-        return Draft(torch.tensor(tokens, dtype=torch.long),
-                     None if parents is None else torch.tensor(parents, dtype=torch.long),
-                     match_len=match_len, **fields)
+        draft = Draft(longs(tokens), None if parents is None else longs(parents),
+                      match_len=match_len, **fields)
+        # what a step reads of it, from the lists at hand (the cached properties' slots)
+        draft.__dict__["token_list"], draft.__dict__["_size"] = list(tokens), len(tokens)
+        return draft
 
     def depths(self) -> list[int]:
         """Depth of each node (1 = child of the current token)."""

@@ -68,6 +68,11 @@ class PassCost:
         # first entry, the one-row size's, unused)
         self.scales: list[float | None] = [None] * len(self.rows)
         self._brackets = [self._bracket(r) for r in range(MAX_ROWS + 1)]
+        # ``prices``' terms for 2..MAX_ROWS rows, (lo, hi, w, table): the scale is
+        # ``s[lo] + w * (s[hi] - s[lo])`` -- ``_blend``'s, to the bit (a timed size's own
+        # scale as (i, i, 0.0), exactly s[i])
+        self._terms = [(i, i, 0.0, t) if w == 1.0 else (i - 1, i, w, t)
+                       for (i, w), t in zip(self._brackets[2:], self.by_rows[2:])]
 
     def _bracket(self, rows: int) -> tuple[int, float]:
         """(i, w): a pass of ``rows`` (> 1) rows is scaled by ``w`` of timed size i's scale
@@ -107,13 +112,14 @@ class PassCost:
         """``[self(r) for r in range(rows + 1)]``, at once."""
         one = self.one_scale * self.by_rows[1]
         s, out = self._scales(), [one, one]
-        for r in range(2, rows + 1):  # ``_blend`` inlined: auto reads this at every ask
-            if r <= MAX_ROWS:
-                (i, w), t = self._brackets[r], self.by_rows[r]
-            else:
-                (i, w), t = self._bracket(r), self._interpolate(r)
-            out.append(max(one, (s[i] if w == 1.0 else s[i - 1] + w * (s[i] - s[i - 1])) * t))
-        return out
+        # ``_blend`` inlined over the terms made once (and ``max`` written out): auto reads
+        # this at every ask
+        for lo, hi, w, t in self._terms[:max(0, rows - 1)]:
+            x = (s[lo] + w * (s[hi] - s[lo])) * t
+            out.append(x if x > one else one)
+        for r in range(MAX_ROWS + 1, rows + 1):  # past the terms: as a call prices it
+            out.append(self(r))
+        return out[:rows + 1]
 
     def observe(self, rows: int, seconds: float) -> None:
         """A request's pass of ``rows`` rows took ``seconds``: move the scale of its size

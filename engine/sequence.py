@@ -32,7 +32,7 @@ from torch import Tensor
 from nodraft.drafters.base import NOT_LOOKED, Draft, DraftContext, Drafter, close_drafter, hook
 from nodraft.drafters.none import NoDraft
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.ops import inference
+from nodraft.micro.ops import inference, longs
 from nodraft.micro.packed import Segment, head_rows
 from nodraft.engine.stats import SpecStats
 from nodraft.engine.sampling import PositionNoise, derive_seed
@@ -191,7 +191,7 @@ class Sequence:
         states in ``_states``."""
         self._begin_prefill()
         for s in range(self.cache.lengths[self.slot], end, PREFILL_CHUNK):
-            chunk = torch.tensor(self.prompt[s:min(s + PREFILL_CHUNK, end)])
+            chunk = longs(self.prompt[s:min(s + PREFILL_CHUNK, end)])
             self._states.append(self.model.prefill_pass(chunk, self.cache, self.slot, s))
             self.cache.advance(self.slot, chunk.shape[0])
 
@@ -260,10 +260,10 @@ class Sequence:
             depth = torch.arange(k + 1)
             mask = None if not m else torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
         else:
-            depth = torch.tensor([0, *draft.depths()])
+            depth = longs([0, *draft.depths()])
             mask = tree_attention_mask(draft.parents)
         if not m:
-            return torch.tensor(ids), n + depth, mask
+            return longs(ids), n + depth, mask
         full = torch.zeros(1 + k + m, 1 + k + m, dtype=torch.bool)
         full[:k + 1, :k + 1] = mask
         aux = draft.aux
@@ -271,7 +271,7 @@ class Sequence:
         full[k + 1:, k + 1:] = aux.mask[:, 1:]
         ids += aux.tokens.tolist()
         pos = torch.cat([n + depth, n + aux.pos])
-        return torch.tensor(ids), pos, full
+        return longs(ids), pos, full
 
     @inference
     def verify(self, draft: Draft) -> tuple[Tensor, Tensor]:
@@ -444,7 +444,7 @@ class Sequence:
         self._begin_prefill()
         n = self.cache.lengths[self.slot]
         end = min(len(self.prompt), n + max(1, budget))
-        return Segment(self.slot, n, torch.tensor(self.prompt[n:end]), torch.arange(n, end),
+        return Segment(self.slot, n, longs(self.prompt[n:end]), torch.arange(n, end),
                        logits=False)
 
     def prefill_done(self, segment: Segment, hidden: Tensor) -> StepResult | None:
@@ -492,7 +492,7 @@ def token_logprobs(logits: Tensor, tokens: list[int], top: int
     if not tokens:
         return []
     lp = logits.float().log_softmax(-1)
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen = lp[torch.arange(len(tokens)), longs(tokens)].tolist()
     if top <= 0:
         return [(c, []) for c in chosen]
     vals, ids = lp.topk(min(top, lp.shape[-1]), dim=-1)

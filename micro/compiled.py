@@ -72,7 +72,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from nodraft.micro import gemm
-from nodraft.micro.ops import additive_mask, apply_rope, cat_ints, inference
+from nodraft.micro.ops import additive_mask, apply_rope, cat_ints, inference, longs
 
 
 
@@ -504,7 +504,7 @@ class CompiledPasses:
         k1, v1 = cache.k[:, lo:hi, :, :ctx1], cache.v[:, lo:hi, :, :ctx1]
         ids = cat_ints([s.ids for s in segments])
         pos = cat_ints([s.pos for s in segments])
-        src1_t, starts1_t = torch.tensor(src1), torch.tensor(starts1)
+        src1_t, starts1_t = longs(src1), longs(starts1)
         args = [ids, pos, src1_t, starts1_t, k1, v1]
         dynamic = [(ids, 0), (pos, 0), (src1_t, 0), (starts1_t, 0),
                    (k1, 1), (k1, 3), (v1, 1), (v1, 3)]
@@ -526,13 +526,13 @@ class CompiledPasses:
             # every slot's rows up to ctx2, a view: the graph gathers the blocks' slots
             # (gathered here, the 5-d view's copies took 5-8 ms each, keys and values)
             k2, v2 = cache.k[:, :, :, :ctx2], cache.v[:, :, :, :ctx2]
-            src2_t, starts2_t = torch.tensor(src2), torch.tensor(starts2)
-            idx_t = torch.tensor(slots2)
+            src2_t, starts2_t = longs(src2), longs(starts2)
+            idx_t = longs(slots2)
             mask2 = additive_mask(allowed, dtype)
             args += [src2_t, starts2_t, idx_t, k2, v2, mask2]
             dynamic += [(src2_t, 0), (starts2_t, 0), (idx_t, 0), (k2, 3), (v2, 3),
                         (mask2, 0), (mask2, 1), (mask2, 2)]
-        dest_t = torch.tensor(dest)
+        dest_t = longs(dest)
         args.append(dest_t)
         dynamic.append((dest_t, 0))
         # duck sizing off while the family is traced (a loaded or compiled one runs as is)
@@ -585,7 +585,7 @@ def _write_rows(cache, segments: list, k_new: Tensor, v_new: Tensor) -> None:
     kernels are loaded, else advanced indexing into slot and row."""
     slots = [s.slot for s in segments for _ in range(len(s))]
     rows = [r for s in segments for r in range(s.start, s.start + len(s))]
-    slot_t, row_t = torch.tensor(slots), torch.tensor(rows)
+    slot_t, row_t = longs(slots), longs(rows)
     if gemm.unit() is not None and cache.k.is_contiguous() and cache.v.is_contiguous():
         torch.ops.nodraft.put_rows.default(cache.k, slot_t, row_t, k_new)
         torch.ops.nodraft.put_rows.default(cache.v, slot_t, row_t, v_new)

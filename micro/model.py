@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from nodraft.micro.ops import additive_mask, apply_rope, inference, rope_tables  # noqa: F401 (also micro.model's API)
+from nodraft.micro.ops import additive_mask, apply_rope, inference, longs, rope_tables  # noqa: F401 (also micro.model's API)
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class KVCache:
         """Copy rows ``src`` (in order) to ``dst, dst+1, ...`` in every layer (tree paths)."""
         if src == list(range(dst, dst + len(src))):
             return
-        idx = torch.tensor(src)
+        idx = longs(src)
         for cache in (self.k, self.v):
             cache[:, slot, :, dst:dst + len(src)] = cache[:, slot, :, idx]
 
@@ -272,7 +272,7 @@ class Micro(nn.Module):
             done = compiled.chain(tokens, cache, slot, start)
             if done is not None:
                 return done[1], done[0]
-        return self.verify_pass(torch.tensor(tokens), cache, slot, start)
+        return self.verify_pass(longs(tokens), cache, slot, start)
 
     @inference
     def prefill_pass(self, ids: Tensor, cache: KVCache, slot: int, start: int) -> Tensor:

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from nodraft.micro.compiled import PACKED_DRAFTED_ROWS
 from nodraft.micro.model import KVCache, Micro
-from nodraft.micro.ops import apply_rope, cat_ints, inference
+from nodraft.micro.ops import apply_rope, cat_ints, inference, longs
 
 
 @dataclass
@@ -97,17 +97,17 @@ def _narrow_group(segments: list[Segment], members: list[int], offsets: list[int
         dest.extend(range(b * Tq, b * Tq + T))
     t = torch.arange(Tq)[None, :, None]
     key = torch.arange(ctx)[None, None, :]
-    start_b = torch.tensor(starts)[:, None, None]
+    start_b = longs(starts)[:, None, None]
     # row t of a chain sees the slot's committed rows and its own rows up to t
-    mask = (t < torch.tensor(lens)[:, None, None]) & (key <= start_b + t)
+    mask = (t < longs(lens)[:, None, None]) & (key <= start_b + t)
     mask[:, :, 0] = True  # padding rows see one key (no empty softmax); discarded
     for i, b in zip(members, where):
         s = segments[i]
         if s.mask is not None:  # a tree: its own mask within the segment
             mask[b, :len(s), s.start:s.start + len(s)] = s.mask
-    slots = torch.tensor([segments[i].slot for i in members]) if gather else None
-    return (slots, lo, hi, Tq, ctx, torch.tensor(src), mask[:, None], torch.tensor(rows),
-            torch.tensor(dest))
+    slots = longs([segments[i].slot for i in members]) if gather else None
+    return (slots, lo, hi, Tq, ctx, longs(src), mask[:, None], longs(rows),
+            longs(dest))
 
 
 @inference
@@ -160,8 +160,8 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
     ids = cat_ints([s.ids for s in segments])
     pos = cat_ints([s.pos for s in segments])
     N = ids.numel()
-    slot_idx = torch.tensor([s.slot for s in segments for _ in range(len(s))])
-    row_idx = torch.tensor([r for s in segments for r in range(s.start, s.start + len(s))])
+    slot_idx = longs([s.slot for s in segments for _ in range(len(s))])
+    row_idx = longs([r for s in segments for r in range(s.start, s.start + len(s))])
     offsets = _offsets(segments)
     plan = _packed_attention_plan(segments, offsets, N)
     cos, sin = model.rope_cos[pos][:, None, None], model.rope_sin[pos][:, None, None]
@@ -198,7 +198,7 @@ def _eager(model: Micro, segments: list[Segment], cache: KVCache
         h = h + F.linear(y.view(N, H * D), layer.attention.wo.weight)
         h = h + layer.feed_forward.forward(F.rms_norm(h, fn.weight.shape, fn.weight, fn.eps))
     if any(s.logits for s in segments):
-        sel = torch.tensor([r for s, o in zip(segments, offsets) if s.logits
+        sel = longs([r for s, o in zip(segments, offsets) if s.logits
                             for r in range(o, o + len(s))])
         logits = model.head(h[sel])
     out, j = [], 0

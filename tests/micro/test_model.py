@@ -114,3 +114,24 @@ def test_fp32_cache_decode_close_to_full_forward():
         steps.append(m(x[:, t:t + 1], cache=cache)[0])
         cache.advance(0, 1)
     torch.testing.assert_close(torch.cat(steps), m(x)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_longs_is_torch_tensor_of_the_list():
+    """``longs`` makes the tensor ``torch.tensor(values, dtype=torch.long)`` makes: values,
+    shape, dtype, an owned writable buffer; and a ``Draft.of``'s lists read back as its
+    tensors do."""
+    from nodraft.drafters.base import Draft
+    from nodraft.micro.ops import cat_ints, longs
+
+    for values in ([], [7], [0, 2**40, -3, 4095], [[1, 2], [3, 4]], list(range(300))):
+        got, want = longs(values), torch.tensor(values, dtype=torch.long)
+        assert got.dtype == torch.long and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got, want)
+    a = longs([1, 2, 3])
+    a[0] = 9  # its own memory: nothing else sees the write
+    assert longs([1, 2, 3]).tolist() == [1, 2, 3]
+    assert torch.equal(cat_ints([[1, 2], torch.tensor([3]), [4]]), torch.tensor([1, 2, 3, 4]))
+    d = Draft.of([5, 6, 7], [-1, 0, 0], 2)
+    assert d.token_list == d.tokens.tolist() == [5, 6, 7] and len(d) == d.tokens.numel()
+    assert d.parents.tolist() == [-1, 0, 0] and d.parents.dtype == torch.long
+    assert len(Draft.of([])) == 0 and Draft.of([]).token_list == []
