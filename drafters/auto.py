@@ -370,16 +370,23 @@ class Auto(DrafterBase):
                          + self._step_overhead())
 
     def _learn_overhead(self, ctx: DraftContext) -> None:
-        """The last step's time beyond its pass (``ctx.step_seconds`` less the pass-cost
-        table's figure for its rows) into the server's recent steps of its kind."""
+        """The last step's time beyond its pass into the server's recent steps of its
+        kind: an asked step's beyond the pass-cost table's figure for its pass
+        (``ctx.step_seconds`` less it: ``_step_overhead``, ``_rest_floor``), and an asked
+        or drafted step's beyond the pass it ran (less ``ctx.pass_seconds``:
+        ``_draft_overhead``)."""
         timing, self._timing = self._timing, None
         seconds = ctx.step_seconds
         if timing is None or seconds is None or self.cost is None:
             return
         rows, drafted = timing
-        key = "drafted" if drafted else "asked"
-        self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
-            seconds - self.cost(rows))
+        if not drafted:
+            self.overhead.setdefault("asked", deque(maxlen=OVERHEAD_STEPS)).append(
+                seconds - self.cost(rows))
+        if ctx.pass_seconds is not None:
+            key = "drafted" if drafted else "asked_pass"
+            self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
+                seconds - ctx.pass_seconds)
         self._overhead = self._floor = self._base = None
 
     def _learn_plain(self, ctx: DraftContext) -> None:
@@ -401,7 +408,8 @@ class Auto(DrafterBase):
         zero, drafts of a token or two looked worth sending under sampling where they cost
         ~1.5 plain steps."""
         if self._overhead is None:
-            drafted, asked = self.overhead.get("drafted", ()), self.overhead.get("asked", ())
+            drafted = self.overhead.get("drafted", ())
+            asked = self.overhead.get("asked_pass", ())
             if min(len(drafted), len(asked)) >= OVERHEAD_MIN_STEPS:
                 self._overhead = max(0.0, statistics.median(drafted) - statistics.median(asked))
             else:

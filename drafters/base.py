@@ -222,6 +222,8 @@ class DraftContext:
     # commit, when the sequence stepped alone; None after a step in a packed pass (shared
     # with other sequences: no one sequence's time) and before the first
     step_seconds: float | None = None
+    # ... and of that step's target pass alone (None as ``step_seconds`` is)
+    pass_seconds: float | None = None
 
     @property
     def n_cached(self) -> int:

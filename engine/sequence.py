@@ -405,11 +405,13 @@ class Sequence:
         draft = self.propose()
         t0 = time.perf_counter()
         logits, hidden = self.verify(draft)
+        passed = time.perf_counter() - t0
         if self.pass_cost is not None and not self._reused:  # a whole pass: what it cost
-            self.pass_cost.observe(1 + len(draft) + draft.n_aux, time.perf_counter() - t0)
+            self.pass_cost.observe(1 + len(draft) + draft.n_aux, passed)
         path, bonus = self._accept(logits, draft)
         result = self.commit(draft, path, bonus, hidden, logits)
         self.ctx.step_seconds = time.perf_counter() - t_step
+        self.ctx.pass_seconds = passed
         return result
 
     @inference
@@ -472,7 +474,8 @@ class Sequence:
         ``targets``: its rows' own tokens (``verify.accept``), if the pass took them."""
         logits, hidden = self.split(logits, hidden, len(draft))
         path, bonus = self._accept(logits, draft, targets)
-        self.ctx.step_seconds = None  # a share of a packed pass: no step of its own
+        # a share of a packed pass: no step or pass of its own
+        self.ctx.step_seconds = self.ctx.pass_seconds = None
         return self.commit(draft, path, bonus, hidden, logits)
 
     def _drafter_error(self, method: str) -> None:

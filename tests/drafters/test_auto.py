@@ -548,7 +548,9 @@ def test_a_request_on_a_server_whose_copies_pay_meets_them_from_its_start():
 def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     """Drafts are priced with what a drafted step costs beyond its pass, more than an
     asked step without one: ``DRAFT_OVERHEAD_PRIOR`` one-row passes until enough steps of
-    each kind are timed (``ctx.step_seconds``), then the difference of their medians."""
+    each kind are timed (``ctx.step_seconds`` beside ``ctx.pass_seconds``), then the
+    difference of their medians -- each beyond the pass the step ran, not its price: a
+    pass that ran dearer than the table says is no draft's own work."""
     from nodraft.drafters.auto import DRAFT_OVERHEAD_PRIOR, OVERHEAD_MIN_STEPS
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -566,15 +568,17 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     assert auto._timing == (1, False)  # an asked step without a draft: timed
     auto._timing = None
 
-    def timed(kind_rows: int, drafted: bool, extra: float) -> None:
+    def timed(kind_rows: int, drafted: bool, extra: float, slow: float = 1.0) -> None:
         auto._timing = (kind_rows, drafted)
-        ctx.step_seconds = auto.cost(kind_rows) + extra
+        ctx.pass_seconds = slow * auto.cost(kind_rows)  # the pass, as it ran
+        ctx.step_seconds = ctx.pass_seconds + extra
         auto._learn_overhead(ctx)
 
     for i in range(OVERHEAD_MIN_STEPS):
         timed(1, False, 0.0)  # asked, nothing sent: nothing besides the pass (as the
         # table's passes; an asked step's own work is priced apart: the test below)
-        timed(3, True, 3 * one if i else 500 * one)  # drafted: three passes more (one stalled)
+        # drafted: three passes more (one stalled), beside a pass that ran at twice its price
+        timed(3, True, 3 * one if i else 500 * one, slow=2.0)
     assert auto._draft_overhead() == pytest.approx(3 * one)  # medians: the stall is ignored
     assert shared["auto_step_overhead"]["asked"]  # kept server-wide
     # a belief that pays for a draft priced at the prior does not pay for one three passes
@@ -686,12 +690,12 @@ def test_a_lone_step_is_timed_for_the_drafter_and_a_packed_one_is_not():
     seq.step()  # the prefill and first token
     assert seq.ctx.step_seconds is None
     seq.step()
-    assert seq.ctx.step_seconds > 0
+    assert seq.ctx.step_seconds > seq.ctx.pass_seconds > 0  # the step, and its pass in it
     draft = seq.propose()
     segment = seq.verify_segment(draft)
     logits, hidden = MODEL.verify_pass(torch.tensor(segment.ids), cache, 0, cache.lengths[0])
     seq.finish_step(draft, logits, hidden)
-    assert seq.ctx.step_seconds is None
+    assert seq.ctx.step_seconds is None and seq.ctx.pass_seconds is None
 
 
 def test_a_request_starts_from_the_servers_belief_at_a_few_pseudo_counts():
