@@ -8,8 +8,8 @@ matches to a few tokens while it learns), and the seconds of the pass that verif
 from the table measured on this machine (``drafters.costs.PassCost``) plus the drafter's
 own measured time plus what a drafted step costs besides its pass, more than an asked
 step without a draft (``_draft_overhead``: the draft's tensor, verification's and the
-commit's work on its rows -- measured on this server's lone steps, the median over recent
-ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). What an asked step takes
+commit's work on its rows -- measured on this server's lone steps beside the passes they
+ran, the median over recent ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). What an asked step takes
 beyond its pass whether it sends a draft or not is added to plain decoding's step and to
 every draft's alike (``_step_overhead``: the median over the server's recent asked steps
 without a draft): the choice is between whole steps, not passes. The candidates, and the
@@ -141,6 +141,10 @@ ASK_OVERHEAD_PRIOR = 0.5
 OVERHEAD_STEPS = 31  # the recent steps of each kind whose median overhead prices drafts
 OVERHEAD_MIN_STEPS = 5  # of each kind, before the medians replace the prior
 POOLED_MIN = 6.0  # pseudo-counts of shorter matches before a new key's prior follows them
+# asks between looks at the trained candidates while none of them is worth a draft: their
+# beliefs move only when drafted with, so a look finds what the last one found, and cost
+# ~5 us of each candidate-asking step per candidate (``propose``)
+TRAINED_EVERY = 8
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -229,6 +233,7 @@ class Auto(DrafterBase):
         self._timing: tuple[int, bool] | None = None  # the last step's (rows, drafted)
         self._rested = False  # the last step was one auto did not ask at: plain decoding's
         self._floor: int | None = None  # ``_rest_floor``, until a step is timed
+        self._trained_in = 0  # asks until the trained candidates are looked at again
         self.resting = 0  # rested steps the sequence declines for auto (``propose``) ...
         self._quiet_from: int | None = None  # ... from the step with this many tokens
 
@@ -567,7 +572,11 @@ class Auto(DrafterBase):
                 if g > best_g:
                     best_key, best_g = key, g
                     best_draft = (tokens, parents, match_len, len(tokens))
-        for name in self.trained if winner is None else ():
+        looks = winner is None and self.trained and self._trained_in == 0
+        if winner is None and self.trained and not looks:
+            self._trained_in -= 1
+        for name in self.trained if looks else ():
+            self._trained_in = TRAINED_EVERY - 1  # (0 again below if one is worth a draft)
             key = (name, 0, reg)
             est = self._estimate(key)
             # not yet measured on this server: assume a draft step costs one target pass
@@ -583,6 +592,7 @@ class Auto(DrafterBase):
             # draft step's cost (EAGLE's first also reads the whole prompt into its cache)
             g = self._goodput(est.at_mean(depth), rows, seconds)
             if g > best_g and self._trained(name) is not None:
+                self._trained_in = 0
                 draft = self._timed(name, ctx, budget)
                 if len(draft):
                     best_key, best_draft, best_g = key, draft, g

@@ -183,6 +183,39 @@ def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
     assert "eagle" in [m for _, m, _ in methods]
 
 
+def test_trained_candidates_are_looked_at_every_few_asks_while_none_is_worth_a_draft():
+    """A trained candidate's belief moves only when it drafts, so while none is worth a
+    draft auto looks at them once every ``TRAINED_EVERY`` asks; after a look that finds
+    one worth a draft, at the next ask again."""
+    from nodraft.drafters.auto import TRAINED_EVERY
+    from nodraft.drafters.base import Draft
+
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,eagle"})
+    auto = Auto(p, drafter_env(MODEL))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)
+    key = ("eagle", 0, "greedy")
+    looked: list[int] = []
+    at_mean = Acceptance.at_mean
+    for i in range(2 * TRAINED_EVERY):
+        est = auto.est[key] = Acceptance(0.01, 500.0)  # not worth a draft
+        est.at_mean = (lambda k, est=est, i=i: (looked.append(i), at_mean(est, k))[1])
+        auto.propose(ctx, 8)
+        auto.observe(ctx, [])
+    assert looked == [0, TRAINED_EVERY]
+    # the next ask looks; one worth a draft there (its draft here comes back empty): looked
+    # at again at the ask after it, and not at the one after that
+    auto._trained = lambda name: object()
+    auto._timed = lambda name, c, b: Draft.empty()
+    auto.draft_seconds["eagle"] = 0.0
+    looked.clear()
+    for i in range(3):
+        est = auto.est[key] = Acceptance(500.0, 0.01) if i == 0 else Acceptance(0.01, 500.0)
+        est.at_mean = (lambda k, est=est, i=i: (looked.append(i), at_mean(est, k))[1])
+        auto.propose(ctx, 8)
+        auto.observe(ctx, [])
+    assert looked[:2] == [0, 1] and 2 not in looked
+
+
 def test_a_cheap_drafter_accepted_whole_keeps_the_next_step():
     """After prompt lookup's draft is accepted whole, the next step asks only prompt
     lookup (suffix decoding is not asked); at a step it does not win, both are."""
