@@ -9,11 +9,11 @@ from the table measured on this machine (``drafters.costs.PassCost``) plus the d
 own measured time plus what a drafted step costs besides its pass, more than an asked
 step without a draft (``_draft_overhead``: the draft's tensor, verification's and the
 commit's work on its rows -- measured on this server's lone steps beside the passes they
-ran, the median over recent ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then). What an asked step takes
-beyond its pass whether it sends a draft or not is added to plain decoding's step and to
-every draft's alike (``_step_overhead``: the median over the server's recent asked steps
-without a draft): the choice is between whole steps, not passes. The candidates, and the
-signals each is judged on:
+ran, the median over recent ones, ``DRAFT_OVERHEAD_PRIOR`` one-row passes until then).
+What an asked step takes beyond its pass whether it sends a draft or not is added to plain
+decoding's step and to every draft's alike (``_step_overhead``: the median over the
+server's recent asked steps without a draft): the choice is between whole steps, not
+passes. The candidates, and the signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
   them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
@@ -22,7 +22,8 @@ signals each is judged on:
   (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
   their recent acceptance (at the belief's mean: trying one costs a whole draft step) and
   measured drafting time first (one target pass until measured), and only drafts with the
-  one it picks. On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
+  one it picks; while none is worth a draft it looks at them once every ``TRAINED_EVERY``
+  asks (their beliefs move only when drafted with). On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
 - **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
@@ -142,8 +143,8 @@ OVERHEAD_STEPS = 31  # the recent steps of each kind whose median overhead price
 OVERHEAD_MIN_STEPS = 5  # of each kind, before the medians replace the prior
 POOLED_MIN = 6.0  # pseudo-counts of shorter matches before a new key's prior follows them
 # asks between looks at the trained candidates while none of them is worth a draft: their
-# beliefs move only when drafted with, so a look finds what the last one found, and cost
-# ~5 us of each candidate-asking step per candidate (``propose``)
+# beliefs move only when drafted with, so a look finds what the last one found, and each
+# look is a few microseconds of a cold step per candidate (``propose``)
 TRAINED_EVERY = 8
 
 
