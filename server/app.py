@@ -87,7 +87,7 @@ log = logging.getLogger("nodraft.server")
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 GRACEFUL_SHUTDOWN_SECONDS = 5  # after draining: for responses still being written
-STATIC = Path(__file__).parent / "static"  # the playground page (issue 9)
+STATIC = Path(__file__).parent / "static"  # the playground page
 MAX_HEADER_BYTES = 16 * 1024  # a request line and headers larger get a 431
 INLINE_TEXT_BYTES = 512  # text work this small runs on the event loop (``Service.text_work``)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The playground page at ``/`` (issue 9): served from the package's static files, and driven
+"""The playground page at ``/``: served from the package's static files, and driven
 in Debian's chromium with Playwright: a repeating prompt with prompt lookup shows accepted
 draft tokens, the request's figures agree with the API's ``speculation`` object, side-by-side
 mode fills both panes, and the server panel shows acceptance by method from /metrics.

@@ -1,4 +1,4 @@
-"""Hostile traffic (issue 26): long prompts never stall the event loop, a burst is refused
+"""Hostile traffic: long prompts never stall the event loop, a burst is refused
 at once with a measured Retry-After, slow and abandoned clients are cut off or counted
 honestly, and the connection guards hold."""
 

@@ -91,7 +91,7 @@ BAD = [  # (request body or raw bytes, status, param)
     (body(flavour="vanilla"), 400, "flavour"),
     (body(stream_options={"include_usage": True}), 400, "stream_options"),
     (b'', 400, None),
-    # strict JSON types, as OpenAI's (issue 26)
+    # strict JSON types, as OpenAI's
     (body(max_tokens=True), 400, "max_tokens"),
     (body(max_tokens="16"), 400, "max_tokens"),
     (body(max_tokens=16.0), 400, "max_tokens"),

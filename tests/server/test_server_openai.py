@@ -164,7 +164,7 @@ def test_six_stop_strings(client):
 def test_usage_counts_the_tokens_returned(client, method):
     """With a stop string, completion_tokens counts the tokens whose text was returned (the
     one the stop string begins inside included), not those generated past the stop --
-    the same under every drafter, streamed or not (issue 25: auto counted 25 where none
+    the same under every drafter, streamed or not (``auto`` once counted 25 where ``none``
     counted 1)."""
     texts = tokens_of(client, max_tokens=24)
     full = "".join(texts)
