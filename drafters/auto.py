@@ -573,11 +573,11 @@ class Auto(DrafterBase):
                 if g > best_g:
                     best_key, best_g = key, g
                     best_draft = (tokens, parents, match_len, len(tokens))
-        looks = winner is None and self.trained and self._trained_in == 0
-        if winner is None and self.trained and not looks:
-            self._trained_in -= 1
+        looks = False
+        if winner is None and self.trained:  # (0 again below if one is worth a draft)
+            looks = self._trained_in == 0
+            self._trained_in = TRAINED_EVERY - 1 if looks else self._trained_in - 1
         for name in self.trained if looks else ():
-            self._trained_in = TRAINED_EVERY - 1  # (0 again below if one is worth a draft)
             key = (name, 0, reg)
             est = self._estimate(key)
             # not yet measured on this server: assume a draft step costs one target pass
@@ -632,11 +632,11 @@ class Auto(DrafterBase):
             # a draft that paid for its step starts the rests over, the server's too
             seconds = 0.0 if key[0] in CHEAP else self.draft_seconds.get(key[0], 0.0)
             # (nothing to start over where both are at 0 already: a greedy request's are)
-            if ((self.pause or self.server_pause.get(self.reg) != 0) and self.cost is not None
-                    and (1 + len(accepted)) * (self.cost(1) + self._step_overhead())
-                    > self.cost(1 + rows) + seconds + self._draft_overhead()
-                    + self._step_overhead()):
-                self.pause = self.server_pause[self.reg] = 0
+            if (self.pause or self.server_pause.get(self.reg) != 0) and self.cost is not None:
+                base = self._step_overhead()
+                if ((1 + len(accepted)) * (self.cost(1) + base)
+                        > self.cost(1 + rows) + seconds + self._draft_overhead() + base):
+                    self.pause = self.server_pause[self.reg] = 0
             if key[0] in CHEAP and len(accepted) == depth:  # accepted whole: it keeps the step
                 self.winner, self.won = key[0], depth
         # the cheap chains not sent are judged against the tokens the pass did emit, so a

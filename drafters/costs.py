@@ -119,7 +119,7 @@ class PassCost:
             out.append(x if x > one else one)
         for r in range(MAX_ROWS + 1, rows + 1):  # past the terms: as a call prices it
             out.append(self(r))
-        return out[:rows + 1]
+        return out if rows else out[:1]
 
     def observe(self, rows: int, seconds: float) -> None:
         """A request's pass of ``rows`` rows took ``seconds``: move the scale of its size

@@ -114,9 +114,9 @@ class EarlyExit(DrafterBase):
             tokens.append(tok)
         if not tokens:
             return Draft.empty()
-        return Draft(torch.tensor(tokens), None, torch.stack(probs) if probs else None,
-                     cost=k * self.cost_per_token,
-                     reuse=Reuse(E, torch.cat(hiddens, dim=0)) if self.params.reuse_kv else None)
+        return Draft.of(tokens, probs=torch.stack(probs) if probs else None,
+                        cost=k * self.cost_per_token,
+                        reuse=Reuse(E, torch.cat(hiddens, dim=0)) if self.params.reuse_kv else None)
 
     def _subset_logits(self, m, h: Tensor) -> Tensor:
         """The full vocabulary's logits (V,) from the exit's residual h (dim,) through the

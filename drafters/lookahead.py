@@ -83,7 +83,6 @@ settings, the former default (W = 2, N = 5, G = 4: up to 24 rows a step) include
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 from dataclasses import dataclass
@@ -92,6 +91,7 @@ import torch
 from torch import Tensor
 
 from nodraft.drafters.base import AuxRows, Draft, DraftContext, DrafterBase, DrafterEnv
+from nodraft.micro.ops import longs
 
 ROW_COST = 0.16  # one more row in a target pass, in 1-token passes (micro, CPU, measured)
 
@@ -212,15 +212,14 @@ class Lookahead(DrafterBase):
         pos, mask = window_layout(width, len(levels))
         m = pos.numel()
         room = ctx.cache.max_len - len(ctx.tokens) - len(tokens)  # rows the cache has left
-        chain = parents == list(range(-1, len(parents) - 1))
-        draft = Draft(torch.tensor(tokens, dtype=torch.long),
-                      None if chain else torch.tensor(parents))
+        if parents == list(range(-1, len(parents) - 1)):  # a chain
+            parents = None
         if m > room:  # near the end of the context: verify only, the window waits
             st["pending"] = None
-            return draft
+            return Draft.of(tokens, parents)
         st["pending"] = m
-        aux = AuxRows(torch.tensor([t for lvl in levels for t in lvl], dtype=torch.long), pos, mask)
-        return dataclasses.replace(draft, cost=ROW_COST * m, aux=aux)
+        aux = AuxRows(longs([t for lvl in levels for t in lvl]), pos, mask)
+        return Draft.of(tokens, parents, cost=ROW_COST * m, aux=aux)
 
     def observe(self, ctx: DraftContext, accepted: list[int]) -> None:
         st = self._state(ctx)
