@@ -21,13 +21,14 @@ last for this one (``Settings.cores``). ``/`` serves the playground page (plain 
 - ``--max-body-bytes``: larger bodies get a 413; a body must arrive within
   ``--body-timeout-seconds`` of its headers (else 408). CORS is off unless
   ``--cors-origins``.
-- Connections (``GuardedH11Protocol``, uvicorn's h11 protocol with three guards): a
-  request's headers must arrive within ``--header-timeout-seconds`` of the connection's
-  opening or of the previous response's end (else a 408 and the connection is closed); a
-  request on a connection beyond ``--max-connections`` open ones gets a 503 and its
-  connection is closed; an idle keep-alive connection closes after
-  ``--keep-alive-seconds`` (uvicorn's ``timeout_keep_alive``); a request line and
-  headers over 16 KiB get a 431 and the connection is closed.
+- Connections (``ConnectionGuards`` on uvicorn's httptools protocol, or on its h11 one
+  with ``--http-parser h11``): a request's headers must arrive within
+  ``--header-timeout-seconds`` of the connection's opening or of the previous response's
+  end (else a 408 and the connection is closed); a request on a connection beyond
+  ``--max-connections`` open ones gets a 503 and its connection is closed; an idle
+  keep-alive connection closes after ``--keep-alive-seconds`` (uvicorn's
+  ``timeout_keep_alive``); a request line and headers over 16 KiB get a 431 and the
+  connection is closed.
 - A generation request whose body validates is served without FastAPI's request handling
   (``DirectGeneration``: parsed as FastAPI parses it, the route's own function called);
   any other goes to FastAPI, whose error it gets.
@@ -69,6 +70,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nodraft.drafters.registry import Registry, SpeculationError
 from nodraft.engine.client import EngineClient, EventPump, InprocClient, MPClient
@@ -448,8 +450,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol, with the guards uvicorn lacks (``configured`` sets them):
+class ConnectionGuards:
+    """The guards uvicorn's HTTP protocols lack, for either of them (``GuardedHttpTools``,
+    ``GuardedH11``; ``configured`` sets them):
 
     - ``header_timeout``: a request's headers must be complete within this many seconds of
       the connection's opening or of the previous response's end, else the server answers
@@ -460,21 +463,25 @@ class GuardedH11Protocol(H11Protocol):
       ``limit_concurrency`` answers in plain text);
     - a request line and headers over ``MAX_HEADER_BYTES`` get an OpenAI 431 and the
       connection is closed, however they arrive (h11 buffers at most 16 KiB of an
-      unfinished head, but passes a larger one that arrives in one piece).
-    """
+      unfinished head but passes a larger one that arrives in one piece; llhttp, under
+      httptools, sets no limit).
+
+    A protocol says whether it awaits a head (``_awaiting``: no request of the connection
+    has a complete head without its response) and whether bytes arriving belong to one
+    (``_in_head``), and calls ``_count_head``, ``_await_headers`` and ``_headers_done``."""
 
     header_timeout = 10.0
     max_connections = 512
     _head_bytes = 0  # of the request line and headers arriving
+    _header_timer: asyncio.TimerHandle | None = None
 
     @classmethod
-    def configured(cls, settings: Settings) -> type["GuardedH11Protocol"]:
+    def configured(cls, settings: Settings) -> type:
         return type(cls.__name__, (cls,), {"header_timeout": settings.header_timeout_seconds,
                                            "max_connections": settings.max_connections})
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._header_timer: asyncio.TimerHandle | None = None
+    def _cap(self) -> None:
+        """Put the connection cap in front of the application (from ``__init__``)."""
         app, connections, cap = self.app, self.connections, self.max_connections
 
         async def capped(scope: Scope, receive: Receive, send: Send) -> None:
@@ -489,38 +496,18 @@ class GuardedH11Protocol(H11Protocol):
 
         self.app = capped
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await_headers()
-
-    def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:  # a head arriving: count it to its blank line
-            ends = [i + len(blank) for blank in (b"\r\n\r\n", b"\n\n")
-                    if (i := data.find(blank)) >= 0]
-            self._head_bytes += min(ends) if ends else len(data)
-            if self._head_bytes > MAX_HEADER_BYTES:
-                self._headers_done()
-                self._reply_and_close(431, "Request Header Fields Too Large", error_body(
-                    f"the request line and headers are over {MAX_HEADER_BYTES} bytes",
-                    "invalid_request_error", code="headers_too_large"))
-                return
-        super().data_received(data)
-        if self.transport.is_closing():
-            return
-        if self.conn.their_state is h11.IDLE:  # no request yet, or its headers unfinished
-            self._await_headers()
-        else:
-            self._head_bytes = 0
-            self._headers_done()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._await_headers()  # keep-alive: the next request's headers
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def _count_head(self, data: bytes) -> bool:
+        """Count ``data`` to a head's blank line; False (and a 431 sent, the connection
+        closing) once the head is over ``MAX_HEADER_BYTES``."""
+        ends = [i + len(blank) for blank in (b"\r\n\r\n", b"\n\n") if (i := data.find(blank)) >= 0]
+        self._head_bytes += min(ends) if ends else len(data)
+        if self._head_bytes <= MAX_HEADER_BYTES:
+            return True
         self._headers_done()
-        super().connection_lost(exc)
+        self._reply_and_close(431, "Request Header Fields Too Large", error_body(
+            f"the request line and headers are over {MAX_HEADER_BYTES} bytes",
+            "invalid_request_error", code="headers_too_large"))
+        return False
 
     def _await_headers(self) -> None:
         if self._header_timer is None:
@@ -533,7 +520,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
-        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+        if self.transport.is_closing() or not self._awaiting():
             return
         self._reply_and_close(408, "Request Timeout", error_body(
             f"the request's headers did not arrive within {self.header_timeout:g} s",
@@ -549,6 +536,95 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+class GuardedHttpTools(ConnectionGuards, HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp's parser, in C) with ``ConnectionGuards``: the
+    server's default (``--http-parser``). Its parser reads pipelined requests ahead of the
+    responses, so a connection counts the requests whose heads are complete and not yet
+    answered: a head is awaited, and timed, only where none is."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._head_open = True  # the next bytes parsed belong to a request's head
+        self._open_requests = 0  # heads complete, responses not
+        self._cap()
+
+    def _awaiting(self) -> bool:
+        return self._head_open and not self._open_requests
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_open and not self._count_head(data):
+            return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_open = True
+
+    def on_headers_complete(self) -> None:
+        self._head_open, self._head_bytes = False, 0
+        self._open_requests += 1
+        self._headers_done()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_open = True  # what follows is the next request's
+
+    def on_response_complete(self) -> None:
+        self._open_requests -= 1
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._awaiting():
+            self._await_headers()  # keep-alive: the next request's headers
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_done()
+        super().connection_lost(exc)
+
+
+class GuardedH11(ConnectionGuards, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with ``ConnectionGuards``
+    (``--http-parser h11``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._cap()
+
+    def _awaiting(self) -> bool:
+        return self.conn.their_state is h11.IDLE
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting() and not self._count_head(data):  # a head arriving
+            return
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._awaiting():  # no request yet, or its headers unfinished
+            self._await_headers()
+        else:
+            self._head_bytes = 0
+            self._headers_done()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._awaiting():
+            self._await_headers()  # keep-alive: the next request's headers
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_done()
+        super().connection_lost(exc)
+
+
+HTTP_PARSERS = {"httptools": GuardedHttpTools, "h11": GuardedH11}
+
+
 def uvicorn_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Config:
     """uvicorn's configuration for ``app`` under ``settings`` (the guarded protocol, the
     keep-alive timeout); ``overrides`` replace any of uvicorn's options."""
@@ -556,7 +632,7 @@ def uvicorn_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicor
         host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         timeout_keep_alive=settings.keep_alive_seconds,
-        http=GuardedH11Protocol.configured(settings))
+        http=HTTP_PARSERS[settings.http_parser].configured(settings))
     options.update(overrides)
     return uvicorn.Config(app, **options)
 

@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         512, ge=1, description="open HTTP connections the server serves at once; a "
         "request on a connection beyond them gets a 503")
+    http_parser: Literal["httptools", "h11"] = Field(
+        "httptools", description="the HTTP/1.1 parser: httptools (llhttp, in C) or h11 (pure "
+        "Python); the same guards either way")
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins allowed by CORS, comma-separated (default: "
         "none, CORS off)")

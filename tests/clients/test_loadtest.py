@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from nodraft.clients import loadtest
 from nodraft.clients.loadtest import LoadConfig, percentiles, run_loadtest, speculation
@@ -53,13 +54,12 @@ def test_each_stream_keeps_its_connection(live, monkeypatch):
     its end (a response left unread past ``[DONE]`` closes its connection), so the server
     sees as many connections as streams, not one per request."""
     opened = []
-    made = H11Protocol.connection_made
+    for protocol in (HttpToolsProtocol, H11Protocol):  # whichever the server runs
+        def counted(self, transport, made=protocol.connection_made):
+            opened.append(transport.get_extra_info("peername"))
+            made(self, transport)
 
-    def counted(self, transport):
-        opened.append(transport.get_extra_info("peername"))
-        made(self, transport)
-
-    monkeypatch.setattr(H11Protocol, "connection_made", counted)
+        monkeypatch.setattr(protocol, "connection_made", counted)
     config = LoadConfig(url=live.url, concurrency=2, requests=8, max_tokens=4,
                         methods=["none"])
     r = asyncio.run(run_loadtest(config))

@@ -283,9 +283,10 @@ def read_all(s: socket.socket) -> tuple[bytes, float]:
     return data, time.monotonic() - t
 
 
-def test_slow_headers_and_bodies_are_cut_off(serve_checkpoints):
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_slow_headers_and_bodies_are_cut_off(serve_checkpoints, parser):
     settings = Settings(checkpoints=serve_checkpoints, header_timeout_seconds=0.4,
-                        body_timeout_seconds=0.4)
+                        body_timeout_seconds=0.4, http_parser=parser)
     with Guarded(settings) as g:
         with g.connect() as s:  # headers trickling in
             s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
@@ -300,6 +301,11 @@ def test_slow_headers_and_bodies_are_cut_off(serve_checkpoints):
             s.sendall(b"GET /health HTTP/1.1\r\n")
             data, _ = read_all(s)
         assert data.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in data
+        with g.connect() as s:  # two requests pipelined: both answered, then a third awaited
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n" * 2)
+            data, took = read_all(s)
+        assert data.count(b"HTTP/1.1 200 ") == 2 and b"HTTP/1.1 408 " in data, data
+        assert 0.3 < took < 2
         with g.connect() as s:  # a body that stops arriving
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                       b"application/json\r\ncontent-length: 100\r\n\r\n{\"model\"")
@@ -310,9 +316,10 @@ def test_slow_headers_and_bodies_are_cut_off(serve_checkpoints):
         assert httpx.get(g.url + "/health", timeout=5).status_code == 200
 
 
-def test_connections_beyond_the_cap_get_503(serve_checkpoints):
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_connections_beyond_the_cap_get_503(serve_checkpoints, parser):
     settings = Settings(checkpoints=serve_checkpoints, max_connections=3,
-                        header_timeout_seconds=30)
+                        header_timeout_seconds=30, http_parser=parser)
     with Guarded(settings) as g:
         held = [g.connect() for _ in range(3)]
         try:
@@ -326,11 +333,12 @@ def test_connections_beyond_the_cap_get_503(serve_checkpoints):
         assert wait_for(lambda: httpx.get(g.url + "/health", timeout=5).status_code == 200)
 
 
-def test_oversized_headers_are_refused_and_the_server_goes_on(serve_checkpoints):
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_oversized_headers_are_refused_and_the_server_goes_on(serve_checkpoints, parser):
     """A request line and headers over 16 KiB get an OpenAI 431 and the connection is
     closed, whether they arrive whole or in pieces; a head within the limit, and a body
     larger than it, are served."""
-    settings = Settings(checkpoints=serve_checkpoints)
+    settings = Settings(checkpoints=serve_checkpoints, http_parser=parser)
     big = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000
     with Guarded(settings) as g:
         for pieces in ([big + b"\r\n\r\n"], [big[:9000], big[9000:], b"\r\n\r\n"]):
