@@ -4,7 +4,7 @@ checkout against another, in one run.
 
     python benchmarks/auto_idle.py [--regime t1.0] [--model micro] [--repeats 5]
                                    [--tokens 128] [--rounds 4] [--before CHECKOUT]
-                                   [--out FILE.json]
+                                   [--own-costs] [--out FILE.json]
 
 At temperature 1.0 no cheap drafter pays on the suite, so ``auto`` rests from a fresh
 server's first step and asks now and then (``drafters.auto``): what it costs there is its
@@ -25,6 +25,14 @@ per step costs or gains there.
 ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``): a worker per checkout
 (``checkouts.checkout_env``), ``--rounds`` rounds, the order alternated round by round;
 reported per checkout: the median over rounds and its range, and after / before.
+
+Every worker prices passes with one table (``drafters.costs.PassCost``), timed before the
+workers start by a process of this checkout (the median of ``COST_TABLES`` tables, each
+timed as the engine times it) and given to each worker after its warm-up; ``--own-costs``
+lets each worker time its own, as a server would. ``auto``'s drafts follow the table it
+is given, and a table timed on a busy machine moved a process's ``auto`` by 10% or more
+over every round it ran, whatever its code: a difference between two checkouts' workers
+that was the tables', not the code's (docs/LOG.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -59,22 +68,58 @@ def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int,
     return out
 
 
-def worker(args: argparse.Namespace) -> None:
+COST_TABLES = 5  # tables timed for the workers' shared one: the median per size
+
+
+def warmed(args: argparse.Namespace):
+    """The model compiled, and every prompt decoded once by each method (what each
+    compiles and builds at its first use): (model, prompts)."""
     import torch
 
     from nodraft.clients.bench import build_prompts, regime_sampling
     from nodraft.clients.measure import decode
-    from nodraft.engine.process import freeze_heap
     from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_model, load_tokenizer
 
     torch.set_num_threads(1)
     model = load_model(args.model, CHECKPOINT_DIR).compile(True)
     prompts = [p for ps in build_prompts(load_tokenizer(), 2).values() for p in ps]
-    for p in prompts:  # what each method compiles and builds at its first use: untimed
+    for p in prompts:
         for method in ("none", "auto"):
             decode(model, p["ids"], args.tokens, method, shared={}, model_name=args.model,
                    sampling=regime_sampling(args.regime, 0),
                    stop_ids=frozenset(p.get("stop_ids", ())))
+    return model, prompts
+
+
+def time_costs(args: argparse.Namespace) -> None:
+    """Print the pass-cost table the workers share: ``COST_TABLES`` timed as the engine
+    times one, the median of each size."""
+    from nodraft.drafters import costs
+    from nodraft.micro.model import KVCache
+
+    model, _ = warmed(args)
+    cache = KVCache(model.config, 1)
+    tables = [costs.measure(model, cache, 0, costs.timing_start(cache.max_len))
+              for _ in range(COST_TABLES)]
+    print(json.dumps({r: statistics.median(t.table(r) for t in tables) for r in costs.ROWS}))
+
+
+def use_costs(model, table: dict[int, float]) -> None:
+    """Price ``model``'s passes with ``table`` ({rows: seconds}) from now on, for its
+    present compiled state (after the warm-up: no graph compiles later), as if timed here."""
+    from nodraft.drafters import costs
+
+    cost = costs.PassCost(table)
+    costs._COSTS[model] = {costs.compiled_state(model): cost}
+    costs._LATEST[model] = (costs.compiled_state(model), cost)
+
+
+def worker(args: argparse.Namespace) -> None:
+    from nodraft.engine.process import freeze_heap
+
+    model, prompts = warmed(args)
+    if args.costs:
+        use_costs(model, {int(r): s for r, s in json.loads(args.costs).items()})
     freeze_heap()
     print(json.dumps({"ready": True}), flush=True)
     for _ in sys.stdin:
@@ -93,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--before", help="another checkout (git worktree add) to compare with")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--own-costs", action="store_true",
+                   help="each worker times its own pass-cost table (default: one shared)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--time-costs", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--costs", help=argparse.SUPPRESS)  # the shared table, JSON
     args = p.parse_args(argv)
     from nodraft.clients.bench import REGIMES
 
@@ -102,14 +151,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args)
         return
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--regime", args.regime,
-           "--model", args.model,
-           "--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+    if args.time_costs:
+        time_costs(args)
+        return
+    base = [sys.executable, os.path.abspath(__file__), "--regime", args.regime,
+            "--model", args.model, "--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+    table = None
+    if not args.own_costs:  # timed by this checkout, before the workers start
+        done = subprocess.run(base + ["--time-costs"], capture_output=True, text=True,
+                              check=True)
+        table = json.loads(done.stdout.strip().splitlines()[-1])
+        print("pass costs (us): " + ", ".join(f"{r} rows {1e6 * s:.0f}"
+                                              for r, s in table.items()))
+    cmd = base + ["--worker"] + ([] if table is None else ["--costs", json.dumps(table)])
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"after": here, **({"before": args.before} if args.before else {})}
     rounds = alternate(cmd, checkouts, args.rounds)
     out = {"regime": args.regime, "model": args.model, "repeats": args.repeats,
-           "tokens": args.tokens,
+           "tokens": args.tokens, "pass_costs": table,
            "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python benchmarks/auto_idle.py " + " ".join(argv or sys.argv[1:])}
     for name, got in rounds.items():

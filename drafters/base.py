@@ -170,9 +170,10 @@ class Draft:
     @staticmethod
     def of(tokens: list[int], parents: list[int] | None = None, match_len: int = 0,
            **fields) -> "Draft":
-        """A deterministic draft from lists: a chain when ``parents`` is None."""
-        draft = Draft(longs(tokens), None if parents is None else longs(parents),
-                      match_len=match_len, **fields)
+        """A deterministic draft from lists: a chain when ``parents`` is None. Its
+        ``tokens`` tensor is made when first read (``_Listed``)."""
+        draft = _Listed(None, None if parents is None else longs(parents),
+                        match_len=match_len, **fields)
         # what a step reads of it, from the lists at hand (the cached properties' slots)
         draft.__dict__["token_list"], draft.__dict__["_size"] = list(tokens), len(tokens)
         return draft
@@ -182,6 +183,24 @@ class Draft:
         if self.parents is None:
             return list(range(1, len(self) + 1))
         return tree_depths(self.parents.tolist())
+
+
+class _Listed(Draft):
+    """A draft made from lists (``Draft.of``) whose ``tokens`` tensor is made from its list
+    when first read: a step reads the list -- a chain's pass takes its ids, acceptance and
+    the commit read ``token_list`` -- so a copying drafter's step need not make it (a cold
+    tensor of a few ids took ~14 us of a step of a few hundred)."""
+
+    @property
+    def tokens(self) -> Tensor:
+        got = self.__dict__.get("_tokens")
+        if got is None:
+            got = self.__dict__["_tokens"] = longs(self.token_list)
+        return got
+
+    @tokens.setter
+    def tokens(self, value: Tensor | None) -> None:  # the dataclass's __init__, replace
+        self.__dict__["_tokens"] = value
 
 
 def tree_depths(parents: list[int]) -> list[int]:
