@@ -842,7 +842,12 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                     if name in ("nodraft", "llama-server"):  # first: after the other's turn,
                         client = systems[name].client  # as the short prompt's request is
                         t0 = time.perf_counter()
-                        r = await client.get("/health")
+                        try:
+                            r = await client.get("/health")
+                        except httpx.RemoteProtocolError:  # as ``one_retried``: sent again
+                            RETRIES["stale_connections"] += 1
+                            t0 = time.perf_counter()
+                            r = await client.get("/health")
                         if r.status_code == 200:
                             ttft.setdefault(f"{name}/health", []).append(
                                 time.perf_counter() - t0)
