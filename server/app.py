@@ -467,8 +467,9 @@ class ConnectionGuards:
       httptools, sets no limit).
 
     A protocol says whether it awaits a head (``_awaiting``: no request of the connection
-    has a complete head without its response) and whether bytes arriving belong to one
-    (``_in_head``), and calls ``_count_head``, ``_await_headers`` and ``_headers_done``."""
+    has a complete head without its response), passes the bytes of a head arriving to
+    ``_count_head``, and starts and stops the header timer (``_await_headers``,
+    ``_headers_done``) as heads begin and end."""
 
     header_timeout = 10.0
     max_connections = 512
@@ -480,8 +481,25 @@ class ConnectionGuards:
         return type(cls.__name__, (cls,), {"header_timeout": settings.header_timeout_seconds,
                                            "max_connections": settings.max_connections})
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._cap()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self._awaiting():
+            self._await_headers()  # keep-alive: the next request's headers
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._headers_done()
+        super().connection_lost(exc)
+
     def _cap(self) -> None:
-        """Put the connection cap in front of the application (from ``__init__``)."""
+        """Put the connection cap in front of the application."""
         app, connections, cap = self.app, self.connections, self.max_connections
 
         async def capped(scope: Scope, receive: Receive, send: Send) -> None:
@@ -499,7 +517,8 @@ class ConnectionGuards:
     def _count_head(self, data: bytes) -> bool:
         """Count ``data`` to a head's blank line; False (and a 431 sent, the connection
         closing) once the head is over ``MAX_HEADER_BYTES``."""
-        ends = [i + len(blank) for blank in (b"\r\n\r\n", b"\n\n") if (i := data.find(blank)) >= 0]
+        ends = [i + len(blank) for blank in (b"\r\n\r\n", b"\n\n")
+                if (i := data.find(blank)) >= 0]
         self._head_bytes += min(ends) if ends else len(data)
         if self._head_bytes <= MAX_HEADER_BYTES:
             return True
@@ -546,14 +565,9 @@ class GuardedHttpTools(ConnectionGuards, HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._head_open = True  # the next bytes parsed belong to a request's head
         self._open_requests = 0  # heads complete, responses not
-        self._cap()
 
     def _awaiting(self) -> bool:
         return self._head_open and not self._open_requests
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await_headers()
 
     def data_received(self, data: bytes) -> None:
         if self._head_open and not self._count_head(data):
@@ -577,28 +591,14 @@ class GuardedHttpTools(ConnectionGuards, HttpToolsProtocol):
     def on_response_complete(self) -> None:
         self._open_requests -= 1
         super().on_response_complete()
-        if not self.transport.is_closing() and self._awaiting():
-            self._await_headers()  # keep-alive: the next request's headers
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._headers_done()
-        super().connection_lost(exc)
 
 
 class GuardedH11(ConnectionGuards, H11Protocol):
     """uvicorn's h11 protocol (pure Python) with ``ConnectionGuards``
     (``--http-parser h11``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._cap()
-
     def _awaiting(self) -> bool:
         return self.conn.their_state is h11.IDLE
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._await_headers()
 
     def data_received(self, data: bytes) -> None:
         if self._awaiting() and not self._count_head(data):  # a head arriving
@@ -611,15 +611,6 @@ class GuardedH11(ConnectionGuards, H11Protocol):
         else:
             self._head_bytes = 0
             self._headers_done()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self._awaiting():
-            self._await_headers()  # keep-alive: the next request's headers
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._headers_done()
-        super().connection_lost(exc)
 
 
 HTTP_PARSERS = {"httptools": GuardedHttpTools, "h11": GuardedH11}
