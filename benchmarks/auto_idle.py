@@ -30,9 +30,8 @@ Every worker prices passes with one table (``drafters.costs.PassCost``), timed b
 workers start by a process of this checkout (the median of ``COST_TABLES`` tables, each
 timed as the engine times it) and given to each worker after its warm-up; ``--own-costs``
 lets each worker time its own, as a server would. ``auto``'s drafts follow the table it
-is given, and a table timed on a busy machine moved a process's ``auto`` by 10% or more
-over every round it ran, whatever its code: a difference between two checkouts' workers
-that was the tables', not the code's (docs/LOG.md, 2026-12-07).
+is given for every round its worker runs, so two workers' own tables make a difference
+between the checkouts that is the tables', not the code's (docs/LOG.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -106,7 +105,8 @@ def time_costs(args: argparse.Namespace) -> None:
 
 def use_costs(model, table: dict[int, float]) -> None:
     """Price ``model``'s passes with ``table`` ({rows: seconds}) from now on, for its
-    present compiled state (after the warm-up: no graph compiles later), as if timed here."""
+    present compiled state (after the warm-up: no graph compiles later), as if timed here
+    -- through the dicts ``costs.measure`` fills, which an older checkout has too."""
     from nodraft.drafters import costs
 
     cost = costs.PassCost(table)

@@ -188,8 +188,7 @@ class Draft:
 class _Listed(Draft):
     """A draft made from lists (``Draft.of``) whose ``tokens`` tensor is made from its list
     when first read: a step reads the list -- a chain's pass takes its ids, acceptance and
-    the commit read ``token_list`` -- so a copying drafter's step need not make it (a cold
-    tensor of a few ids took ~14 us of a step of a few hundred)."""
+    the commit read ``token_list`` -- so a copying drafter's step need not make it."""
 
     @property
     def tokens(self) -> Tensor:
