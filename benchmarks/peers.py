@@ -21,7 +21,7 @@ micro-layerskip), and every system runs the same weights, ``--threads`` threads 
                          (``prompt_lookup_num_tokens``) and, on micro-layerskip, early exit
                          (``assistant_early_exit``)
 
-Three parts, each alternated over ``--rounds`` rounds (odd rounds in reverse order, so
+Four parts, each alternated over ``--rounds`` rounds (odd rounds in reverse order, so
 drift on a shared machine hits every system alike); medians over rounds, and ratios
 taken within a round, reported as median and range:
 
@@ -42,7 +42,15 @@ taken within a round, reported as median and range:
    *repeating*), greedy and sampled (temperature 0.8, seeded): every nodraft drafter,
    served and in process, beside llama-server's n-gram speculation, llama-cpp-python's
    prompt lookup and transformers' prompt lookup and early exit; each over its own plain
-   decoding (same system, same round) and tokens/s.
+   decoding (same system, same round) and tokens/s;
+4. **suite** (not in the default ``--parts``; needs ``--llama-server``): 1 stream on the
+   workload suite's prompts (``nodraft bench``'s: two per category), micro and
+   micro-layerskip (each with llama-servers of its own), greedy and at the suite's
+   temperature 0.7 (``top_p`` 0.95, the round's seed): nodraft's served ``none`` over
+   llama-server's plain decoding, and llama-server's n-gram speculation
+   (``ngram-simple``) over its plain decoding, every response asked for whole; per
+   category, the ratios of both prompts over all rounds pooled -- the peer columns of the
+   README's results table.
 
 Greedy, every system's tokens are checked against nodraft's in-process ``none`` (token ids
 where the system returns them, else the text), and reported, not asserted: a peer whose
@@ -84,6 +92,16 @@ from nodraft.micro.checkpoint import CHECKPOINT_DIR, load_tokenizer  # noqa: E40
 
 TEMPERATURE = 0.8
 STREAMS = (1, 8)
+# the workload suite's regimes (``nodraft bench``): (temperature, top_p)
+SUITE_MODES = {"greedy": (0.0, 1.0), "t0.7": (0.7, 0.95)}
+SUITE_MODELS = ("micro", "micro-layerskip")
+# the suite part's systems, each asked for the whole response (``*-unstreamed``): name ->
+# (system, method); llama-server's for micro-layerskip are its servers ``...@micro-layerskip``.
+# (No served nodraft drafter: its store of responses would hold each prompt's earlier
+# answers, which a greedy decode repeats -- the suite's drafters are measured in process.)
+SUITE_SYSTEMS = {"nodraft none": ("nodraft-unstreamed", "none"),
+                 "llama-server": ("llama-server-unstreamed", "none"),
+                 "llama-server ngram-simple": ("llama-server-ngram-simple-unstreamed", "none")}
 NODRAFT_DRAFTERS = [("micro", "prompt_lookup"), ("micro", "suffix"), ("micro", "lookahead"),
                     ("micro", "medusa"), ("micro", "eagle"), ("micro", "auto"),
                     ("micro-layerskip", "early_exit")]
@@ -135,8 +153,8 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
-def sampling_fields(temperature: float, seed: int) -> dict:
-    return {"temperature": temperature, "top_p": 1.0, "seed": seed}
+def sampling_fields(temperature: float, seed: int, top_p: float = 1.0) -> dict:
+    return {"temperature": temperature, "top_p": top_p, "seed": seed}
 
 
 async def _stream(client: httpx.AsyncClient, path: str, body: dict, parse) -> tuple:
@@ -170,9 +188,11 @@ class NodraftServer:
         toks = [t["id"] for t in chunk.get("nodraft", {}).get("tokens", [])]  # {id, text, origin}
         return toks, "".join(c.get("text", "") for c in chunk.get("choices", []))
 
-    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method):
+    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method,
+                  top_p=1.0):
         body = {"model": model, "prompt": prompt_ids, "max_tokens": tokens,
-                "stream": self.stream, "speculation": method, **sampling_fields(temperature, seed)}
+                "stream": self.stream, "speculation": method,
+                **sampling_fields(temperature, seed, top_p)}
         if self.stream:
             return await _stream(self.client, "/v1/completions", body, self._parse) + (None,)
         r = (await self.client.post("/v1/completions", json=body)).json()
@@ -191,10 +211,12 @@ class LlamaServer:
     def _parse(chunk: dict):
         return chunk.get("tokens", []), chunk.get("content", "")
 
-    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method):
+    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method,
+                  top_p=1.0):
         body = {"prompt": prompt_ids, "n_predict": tokens, "stream": self.stream,
                 "cache_prompt": False, "return_tokens": True, "min_p": 0.0,
-                "top_k": 1 if temperature == 0 else 0, **sampling_fields(temperature, seed)}
+                "top_k": 1 if temperature == 0 else 0,
+                **sampling_fields(temperature, seed, top_p)}
         if self.stream:
             return await _stream(self.client, "/completion", body, self._parse) + (None,)
         r = (await self.client.post("/completion", json=body)).json()
@@ -213,10 +235,11 @@ class LlamaCppPythonServer:
         texts = [c.get("text") for c in chunk.get("choices", []) if c.get("finish_reason") is None]
         return [], "".join(t for t in texts if t)
 
-    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method):
+    async def one(self, model, prompt_ids, prompt_text, tokens, temperature, seed, method,
+                  top_p=1.0):
         body = {"prompt": prompt_text, "max_tokens": tokens, "stream": True, "min_p": 0.0,
                 "top_k": 1 if temperature == 0 else 0, "repeat_penalty": 1.0,
-                **sampling_fields(temperature, seed)}
+                **sampling_fields(temperature, seed, top_p)}
         first, _, text = await _stream(self.client, "/v1/completions", body, self._parse)
         return first, None, text, None
 
@@ -235,10 +258,11 @@ async def one_retried(system, *args):
 
 
 async def served_run(system, model: str, prompts: list[tuple[list[int], str]], tokens: int,
-                     temperature: float, seed: int, method: str, tok) -> Result:
+                     temperature: float, seed: int, method: str, tok,
+                     top_p: float = 1.0) -> Result:
     t0 = time.perf_counter()
     outs = await asyncio.gather(*(one_retried(system, model, ids, text, tokens, temperature,
-                                              seed + i, method)
+                                              seed + i, method, top_p)
                                   for i, (ids, text) in enumerate(prompts)))
     seconds = time.perf_counter() - t0
     # the count: the ids, else the server's own count, else the text encoded again
@@ -317,7 +341,7 @@ def _engine_worker(threads: int, config: dict):
             raise RuntimeError(engine.compiled_error)
         time.sleep(0.5)
 
-    def run(model, prompts, tokens, temperature, seed, method):
+    def run(model, prompts, tokens, temperature, seed, method, top_p=1.0):
         engine.shared.clear()  # a fresh server's drafter state for every request
         meth, params = registry.parse({"method": method})
         done = [threading.Event() for _ in prompts]
@@ -341,7 +365,8 @@ def _engine_worker(threads: int, config: dict):
         for i, p in enumerate(prompts):
             # the seed a served request's first choice samples with (server.api)
             engine.submit(GenerationRequest(model, p, tokens,
-                                            SamplingParams(temperature, seed=derive_seed(seed + i, 0)),
+                                            SamplingParams(temperature, top_p=top_p,
+                                                           seed=derive_seed(seed + i, 0)),
                                             method=meth, params=params), callback(i))
         for d in done:
             d.wait()
@@ -365,7 +390,7 @@ def _llamacpp_worker(threads: int, config: dict):
     eos = llms["none"].token_eos()
     atexit.register(lambda: [llm.close() for llm in llms.values()])
 
-    def run(model, prompts, tokens, temperature, seed, method):
+    def run(model, prompts, tokens, temperature, seed, method, top_p=1.0):
         assert len(prompts) == 1, "llama-cpp-python's Llama decodes one sequence"
         llm = llms[method]
         llm.reset()  # prefill the whole prompt, as every other system here
@@ -374,7 +399,7 @@ def _llamacpp_worker(threads: int, config: dict):
                   {"temp": temperature, "top_k": 0})
         out, ttft = [], None
         t0 = time.perf_counter()
-        for t in llm.generate(prompts[0], top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+        for t in llm.generate(prompts[0], top_p=top_p, min_p=0.0, repeat_penalty=1.0,
                               reset=True, **sample):
             ttft = ttft or time.perf_counter() - t0
             if t == eos:
@@ -398,11 +423,11 @@ def _hf_worker(threads: int, config: dict):
     models = {name: AutoModelForCausalLM.from_pretrained(path).eval()
               for name, path in config["hf"].items()}
 
-    def run(model, prompts, tokens, temperature, seed, method):
+    def run(model, prompts, tokens, temperature, seed, method, top_p=1.0):
         assert len(prompts) == 1, "one sequence: generate() pads a batch"
         hf = models[model]
         ids = torch.tensor([prompts[0]])
-        kw = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        kw = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": top_p}
               if temperature else {"do_sample": False})
         if method == "prompt_lookup":
             kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
@@ -449,6 +474,31 @@ def ratio_rows(runs: dict, pairs: dict[str, tuple[str, str]]) -> dict:
             xs = [x / y for x, y in zip(runs[a], runs[b]) if y > 0]
             if xs:
                 out[name] = spread(xs)
+    return out
+
+
+SUITE_RATIOS = {"none_over_llama_server": ("nodraft none", "llama-server"),
+                "llama_server_ngram_over_plain": ("llama-server ngram-simple", "llama-server")}
+
+
+def suite_ratios(runs: dict, suite_keys: dict[str, list[str]]) -> dict:
+    """The suite part's ratios: "model/category/mode" -> name -> the spread of one system's
+    tokens/s over another's, per round and prompt (the category's prompts pooled)."""
+    out = {}
+    for model in SUITE_MODELS:
+        for cat, keys in suite_keys.items():
+            for mode in SUITE_MODES:
+                row = {}
+                for name, (a, b) in SUITE_RATIOS.items():
+                    xs = []
+                    for key in keys:
+                        ka, kb = (f"suite/{mode}/{key}/{SUITE_SYSTEMS[x][0]}/{model}/"
+                                  f"{SUITE_SYSTEMS[x][1]}" for x in (a, b))
+                        xs += [x / y for x, y in zip(runs.get(ka, []), runs.get(kb, [])) if y > 0]
+                    if xs:
+                        row[name] = spread(xs)
+                if row:
+                    out[f"{model}/{cat}/{mode}"] = row
     return out
 
 
@@ -616,6 +666,16 @@ def markdown(d: dict) -> str:
                     if any(c != "--" for c in cells):
                         shown = peer.replace("llama-server-", "llama-server ")
                         out.append(f"| {label} {method} / {shown} | " + " | ".join(cells) + " |")
+    if d.get("suite"):
+        out += ["", "| model | category | served `none` / llama-server, t=0.7 | greedy | "
+                "llama-server ngram-simple / its plain, t=0.7 | greedy |", "|---|---|---|---|---|---|"]
+        for key, row in d["suite"].items():
+            model, cat, mode = key.split("/")
+            if mode != "greedy":
+                continue
+            sampled = d["suite"].get(f"{model}/{cat}/t0.7", {})
+            out.append(f"| {model} | {cat} | " + " | ".join(
+                _ratio(r.get(name)) for name in SUITE_RATIOS for r in (sampled, row)) + " |")
     return "\n".join(out) + "\n"
 
 
@@ -635,6 +695,9 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
     ck = CHECKPOINT_DIR
     tok = load_tokenizer(ck / "tokenizer.json")
     gguf = {ft: export_gguf(tmp / f"micro-{ft}.gguf", "micro", ck, ft) for ft in ("f32", "q8_0")}
+    if "suite" in parts:
+        gguf["micro-layerskip"] = export_gguf(tmp / "micro-layerskip-f32.gguf", "micro-layerskip",
+                                              ck, "f32")
     hf = {name: str(export_hf(tmp / f"hf-{name}", name, ck)) for name in ("micro", "micro-layerskip")}
     cores = sorted(os.sched_getaffinity(0))
     results: dict = {
@@ -663,6 +726,10 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
             results["llama_server_version"] = version[-2:] if version else None
             configs = {"llama-server": ("f32", []), "llama-server-q8_0": ("q8_0", []),
                        **{f"llama-server-{k}": ("f32", v) for k, v in LLAMA_SPEC.items()}}
+            if "suite" in parts:  # micro-layerskip's, plain and with n-gram speculation
+                configs["llama-server@micro-layerskip"] = ("micro-layerskip", [])
+                configs["llama-server-ngram-simple@micro-layerskip"] = (
+                    "micro-layerskip", LLAMA_SPEC["ngram-simple"])
             for name, (ft, extra) in configs.items():
                 lport = free_port()
                 cmd = [args.llama_server, "-m", str(gguf[ft]), "--host", "127.0.0.1",
@@ -672,8 +739,10 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                 procs.append(proc)
                 llama_servers[name] = cmd
                 systems[name] = LlamaServer(f"http://127.0.0.1:{lport}")
-                if name == "llama-server":
-                    systems["llama-server-unstreamed"] = LlamaServer(f"http://127.0.0.1:{lport}", False)
+                base, _, model = name.partition("@")
+                if base in ("llama-server", "llama-server-ngram-simple"):  # and not streamed
+                    systems[f"{base}-unstreamed" + (f"@{model}" if model else "")] = \
+                        LlamaServer(f"http://127.0.0.1:{lport}", False)
                 waits.append((name, proc, log, f"http://127.0.0.1:{lport}", "/health"))
         results["llama_server_commands"] = llama_servers
         if llama_cpp is not None:
@@ -700,13 +769,15 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
         os.sched_setaffinity(0, cores[-1:])  # the client: on the core the API process keeps
 
         async def run(system: str, model: str, prompts: list[tuple[list[int], str]],
-                      temperature: float, seed: int, method: str) -> Result:
+                      temperature: float, seed: int, method: str, top_p: float = 1.0) -> Result:
             if system in workers:
                 return workers[system].run(model=model, prompts=[i for i, _ in prompts],
                                            tokens=args.tokens, temperature=temperature,
-                                           seed=seed, method=method)
+                                           seed=seed, method=method, top_p=top_p)
+            if system.startswith("llama-server") and model != "micro":  # its own server
+                system = f"{system}@{model}"
             return await served_run(systems[system], model, prompts, args.tokens, temperature,
-                                    seed, method, tok)
+                                    seed, method, tok, top_p)
 
         # the greedy reference: nodraft in process, none
         texts8 = eight_prompts()
@@ -714,18 +785,30 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
         prompt_sets = {"1": [PROMPT], "8": texts8, "fresh": [workshop["fresh"]],
                        "repeating": [workshop["repeating"]]}
         encoded = {k: [(tok.encode(t), t) for t in v] for k, v in prompt_sets.items()}
+        suite_keys: dict[str, list[str]] = {}  # category -> its prompts' keys
+        if "suite" in parts:
+            from nodraft.clients.bench import build_prompts
+
+            for cat, ps in build_prompts(tok, 2).items():
+                for i, pr in enumerate(ps):
+                    encoded[f"{cat}{i}"] = [(pr["ids"], tok.decode(pr["ids"]))]
+                    suite_keys.setdefault(cat, []).append(f"{cat}{i}")
         results["prompt_tokens"] = {k: [len(i) for i, _ in v] for k, v in encoded.items()}
         refs: dict = {}
 
-        async def reference(model: str, key: str, temperature: float, seed: int) -> list:
-            k = (model, key, temperature, seed)
+        async def reference(model: str, key: str, temperature: float, seed: int,
+                            top_p: float = 1.0) -> list:
+            k = (model, key, temperature, seed, top_p)
             if k not in refs:
                 refs[k] = (await run("nodraft-in-process", model, encoded[key], temperature,
-                                     seed, "none"))["tokens"]
+                                     seed, "none", top_p))["tokens"]
             return refs[k]
 
-        # every case: (part, system, model, method, prompt set, mode)
-        modes = {"greedy": 0.0, "sampled": TEMPERATURE}
+        # every case: (part, system, model, method, prompt set), in each of its part's modes
+        modes = {"greedy": (0.0, 1.0), "sampled": (TEMPERATURE, 1.0)}
+
+        def case_modes(c) -> dict[str, tuple[float, float]]:
+            return SUITE_MODES if c[0] == "suite" else modes
         cases = []
         if "plain" in parts:
             for streams in STREAMS:
@@ -756,6 +839,11 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                           ("drafters", "transformers", "micro-layerskip", "none", key),
                           ("drafters", "transformers", "micro-layerskip", "early_exit", key)]
 
+        if "suite" in parts:
+            for model in SUITE_MODELS:
+                for keys in suite_keys.values():
+                    cases += [("suite", system, model, method, key) for key in keys
+                              for system, method in SUITE_SYSTEMS.values()]
         cases = [c for c in cases if c[1] in systems or c[1] in workers]  # what is installed
 
         def case_key(c, mode):
@@ -764,21 +852,21 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
 
         # warm every path once (compiles, first requests), untimed
         for c in cases:
-            for mode, temp in modes.items():
-                await run(c[1], c[2], encoded[c[4]], temp, 0, c[3])
+            for mode, (temp, top_p) in case_modes(c).items():
+                await run(c[1], c[2], encoded[c[4]], temp, 0, c[3], top_p)
         print("warmed", file=sys.stderr, flush=True)
         runs: dict[str, list[float]] = {}
         ttfts: dict[str, list[float]] = {}
         checks: dict[str, list[dict]] = {}
         for r in range(args.rounds):
-            order = [(c, m) for c in cases for m in modes]
+            order = [(c, m) for c in cases for m in case_modes(c)]
             if r % 2:
                 order.reverse()
             for c, mode in order:
                 part, system, model, method, key = c
                 seed = 1000 + r
-                temp = modes[mode]
-                res = await run(system, model, encoded[key], temp, seed, method)
+                temp, top_p = case_modes(c)[mode]
+                res = await run(system, model, encoded[key], temp, seed, method, top_p)
                 k = case_key(c, mode)
                 runs.setdefault(k, []).append(res.n_tokens / res["seconds"])
                 ttfts.setdefault(k, []).extend(t for t in res["ttft"] if t is not None)
@@ -786,7 +874,7 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                     ref = await reference(model, key, 0.0, 0)
                     checks.setdefault(k, []).append(agreement(res, ref, tok))
                 elif system.startswith("nodraft"):
-                    ref = await reference(model, key, temp, seed)
+                    ref = await reference(model, key, temp, seed, top_p)
                     checks.setdefault(k, []).append(agreement(res, ref, tok))
             print(f"round {r + 1} done", file=sys.stderr, flush=True)
         results["tokens_per_s"] = {k: spread(v) for k, v in runs.items()}
@@ -832,6 +920,8 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                     f"{base}/transformers/micro-layerskip/early_exit",
                     f"{base}/transformers/micro-layerskip/none")
         results["ratios"] = ratio_rows(runs, pairs)
+        if suite_keys:
+            results["suite"] = suite_ratios(runs, suite_keys)
         if "ttft" in parts:
             servers = ["nodraft", *(s for s in ("llama-server", LCP_SERVER) if s in systems)]
             ttft: dict[str, list[float]] = {}
