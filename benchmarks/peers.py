@@ -247,14 +247,20 @@ class LlamaCppPythonServer:
 RETRIES = {"stale_connections": 0}
 
 
-async def one_retried(system, *args):
-    """``system.one``, sent again once if the server had closed the kept-alive connection
-    (llama.cpp's HTTP server closes one idle for a few seconds; httpx finds out on use)."""
+async def retried(call):
+    """``await call()``, called again once if the server had closed the kept-alive
+    connection (llama.cpp's HTTP server closes one idle for a few seconds; httpx finds out
+    on use)."""
     try:
-        return await system.one(*args)
+        return await call()
     except httpx.RemoteProtocolError:
         RETRIES["stale_connections"] += 1
-        return await system.one(*args)
+        return await call()
+
+
+async def one_retried(system, *args):
+    """``system.one``, sent again on a stale connection (``retried``)."""
+    return await retried(lambda: system.one(*args))
 
 
 async def served_run(system, model: str, prompts: list[tuple[list[int], str]], tokens: int,
@@ -931,16 +937,15 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                 for name in (servers if i % 2 == 0 else servers[::-1]):
                     if name in ("nodraft", "llama-server"):  # first: after the other's turn,
                         client = systems[name].client  # as the short prompt's request is
-                        t0 = time.perf_counter()
-                        try:
-                            r = await client.get("/health")
-                        except httpx.RemoteProtocolError:  # as ``one_retried``: sent again
-                            RETRIES["stale_connections"] += 1
+
+                        async def health():
                             t0 = time.perf_counter()
                             r = await client.get("/health")
+                            return r, time.perf_counter() - t0
+
+                        r, seconds = await retried(health)
                         if r.status_code == 200:
-                            ttft.setdefault(f"{name}/health", []).append(
-                                time.perf_counter() - t0)
+                            ttft.setdefault(f"{name}/health", []).append(seconds)
                         await asyncio.sleep(0.02)  # the server idle again, as between turns
                     for label, prompt in (("short", short), ("long", [longs[i % len(longs)]])):
                         first = (await one_retried(systems[name], "micro", *prompt[0], 4, 0.0,
