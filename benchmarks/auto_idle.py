@@ -18,9 +18,9 @@ the median of all pairs' ``none`` seconds over ``auto`` seconds, and their mean
 passes (``Micro.compile``), one thread, each method's first decode of a prompt untimed,
 then the heap frozen (``freeze_heap``), as ``nodraft bench`` runs them.
 
-``--regime greedy`` measures the same pairs greedy, where ``auto`` asks at every step and
-drafts where copies pay: its speed-up over ``none`` on the whole suite, what its own work
-per step costs or gains there.
+``--regime greedy`` measures the same pairs greedy, where ``auto`` drafts where copies pay
+and rests at most 8 steps after an ask that found nothing worth sending: its speed-up over
+``none`` on the whole suite, what its own work per step costs or gains there.
 
 ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``): a worker per checkout
 (``checkouts.checkout_env``), ``--rounds`` rounds, the order alternated round by round;

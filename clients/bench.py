@@ -21,7 +21,9 @@ so the speed-up compares like with like; the harness checks that the tokens are 
 
 Per (category, prompt, model, regime, drafter): acceptance rate, tokens per target pass,
 the **measured speed-up** (``none``'s time over the drafter's, decoding only, runs
-alternated, each repeat its own seed: the median of ``--repeats`` and its range) and the
+alternated, each repeat its own seed: the median of ``--repeats`` and its range; ``none``
+itself is a column too, measured against itself alike: how far from 1.0x a figure can
+read with nothing changed, which a drafter's speed-up must clear to be resolved) and the
 **loop share** of the text: the fraction of generated tokens that complete a ``LOOP_N``-gram
 already generated. A speed-up bought by a loop shows as a loop share near 1. Drafters start
 each run from a fresh server (no state from an earlier request: suffix decoding's store is
@@ -66,7 +68,10 @@ CATEGORIES = ("code", "edit", "rag", "chat", "long")
 REGIMES = {"greedy": SamplingParams(),
            "t0.7": SamplingParams(temperature=0.7, top_p=0.95),
            "t1.0": SamplingParams(temperature=1.0, top_p=0.95)}
-METHODS = ("prompt_lookup", "suffix", "early_exit", "medusa", "eagle", "lookahead", "auto")
+# ``none`` first: plain decoding measured against itself, as every drafter is -- the run's
+# resolution (a speed-up within its spread of 1.0x is not resolved); never "best single"
+METHODS = ("none", "prompt_lookup", "suffix", "early_exit", "medusa", "eagle", "lookahead",
+           "auto")
 LOOP_N = 4  # a token completing a 4-gram already generated counts as looping
 SEED0 = 1000  # repeat r samples with seed SEED0 + r
 
@@ -205,7 +210,8 @@ def measure(model, name: str, prompt: dict, regime: str, method: str, params: di
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Per (model, regime, category): each method's speed-up, the median over the
-    category's prompts, and which single drafter was best."""
+    category's prompts, and which single drafter was best (neither ``auto`` nor ``none``,
+    measured against itself; None if no other was run)."""
     groups: dict[tuple, dict[str, list]] = {}
     for row in rows:
         key = (row["model"], row["regime"], row["category"])
@@ -213,7 +219,7 @@ def summarise(rows: list[dict]) -> list[dict]:
     out = []
     for (model, regime, category), by_method in groups.items():
         speedups = {m: statistics.median(r["speedup"] for r in rs) for m, rs in by_method.items()}
-        singles = {m: s for m, s in speedups.items() if m.split(":")[0] != "auto"}
+        singles = {m: s for m, s in speedups.items() if m.split(":")[0] not in ("auto", "none")}
         best = max(singles, key=singles.get) if singles else None
         out.append({"model": model, "regime": regime, "category": category,
                     "speedups": speedups, "best": best,
@@ -243,6 +249,9 @@ def render(result: dict) -> str:
                      f"{s['loop_share']:.0%} | " + " | ".join(cells) + f" | {s['best']} |")
     lines += ["", "Each cell: measured speed-up against `none` (tokens per target pass); "
               "loop share: the generated tokens that complete a 4-gram already generated."]
+    if "none" in methods:
+        lines[-1] += (" The `none` column is plain decoding measured against itself: how "
+                      "far from 1.00x a figure reads with nothing changed.")
     return "\n".join(lines)
 
 

@@ -16,8 +16,9 @@ server's recent asked steps without a draft): the choice is between whole steps,
 passes. The candidates, and the signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
-  them for their draft every step -- that *is* the signal: no n-gram or suffix match, no
-  draft. A match's draft is trimmed to the length where one more token stops paying.
+  them for their draft at every step it asks (rests: below) -- that *is* the signal: no
+  n-gram or suffix match, no draft. A match's draft is trimmed to the length where one more
+  token stops paying.
 - ``eagle`` and ``medusa``: when the model has trained weights. Their draft is not free
   (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
   their recent acceptance (at the belief's mean: trying one costs a whole draft step) and
@@ -26,12 +27,13 @@ passes. The candidates, and the signals each is judged on:
   asks (their beliefs move only when drafted with). On this 2-core CPU a draft step costs about a pass (EAGLE's compiled chain
   of 6), so they pay only where they are accepted far more often than at the prior's 0.5.
 - ``none``: one token per 1-row pass; when nothing beats it, auto does not draft.
-- **Rests where nothing pays** (sampled: ``REST_REGIMES``): after an asked step where
-  nothing beat plain decoding, auto does not ask for a rest of steps that doubles after
-  each further such step in a row, up to 64 (``REST_MAX``), and is never shorter than the
-  steps over which the ask costs ``ASK_SHARE`` (3%) of their time (``_rest_floor``: what
-  an asked step without a draft takes beyond a plain step, measured on this server); a
-  draft that paid for its step starts them over. A fresh server's requests at temperature
+- **Rests where nothing pays**: after an asked step where nothing beat plain decoding,
+  auto does not ask for a rest of steps that doubles after each further such step in a
+  row, up to 64 sampled (``REST_MAX``) and 8 greedy (``GREEDY_REST_MAX``); sampled, a
+  rest is never shorter than the steps over which the ask costs ``ASK_SHARE`` (3%) of
+  their time (``_rest_floor``: what an asked step without a draft takes beyond a plain
+  step, measured on this server), greedy it starts at one step. A draft that paid for its
+  step starts them over. A fresh server's requests at temperature
   0.6 and above start at the longest rest (``FRESH_REST_TEMPERATURE``): on the workload
   suite no cheap drafter paid in any category at 0.7 or 1.0, and the drafts ``auto`` sent
   at 0.7 where text repeats gained about what they cost; at 0.3, where suffix decoding
@@ -49,9 +51,12 @@ passes. The candidates, and the signals each is judged on:
   be met some steps late, so while any cheap drafter's match length is believed at least
   ``COPIES_PAY`` (a copy's first step is worth several tokens) -- this request's belief,
   or at its start the server's -- a rested step looks whether such a match is there
-  (``_copy_now``: a search of the request's tokens) and asks at once if it is. Greedy it
-  asks every step: there copies pay, and rests measured a loss (docs/LOG.md, "`auto` asks
-  every step", 2026-12-05 and 2026-12-07).
+  (``_copy_now``: a search of the request's tokens) and asks at once if it is. Greedy,
+  copies pay and a rest's steps are a copy's first steps missed: rests as long as the
+  sampled ones measured a loss there (docs/LOG.md, 2026-12-05 and 2026-12-07), short ones
+  a gain where asking cost more than the drafts it found (an ask of two candidates is
+  tens of microseconds of a step of a few hundred, and most of micro's greedy asks find
+  matches that do not pay: docs/LOG.md, "Greedy rests of at most 8 steps").
 - **The winner keeps the step**: after a cheap drafter's draft was accepted whole, the
   next step asks only that drafter (a loop being copied goes on being copied), and sends
   at least twice the length it took whole where its match gives that many -- a fresh
@@ -119,11 +124,12 @@ MAX_MATCH = 8  # match lengths at or above this share one estimate
 # asks where a match that long is there (``Auto._copy_now``); a trained drafter believed
 # this good stops the rests
 COPIES_PAY = 0.8
-REST_MAX = 64  # the longest rest, in steps (``Auto.propose``)
-# the sampling regimes auto rests in: both sampled ones, where asking at every step cost
-# more than the copies it met first gained (docs/LOG.md, "Pricing a draft's own work");
-# greedy, where copies pay, rests missed their first steps (docs/LOG.md, 2026-12-05)
-REST_REGIMES = ("t<=0.85", "t>0.85")
+REST_MAX = 64  # the longest rest sampled, in steps (``Auto.propose``)
+# the longest greedy: there copies pay, and a long rest missed their first steps (rests
+# of up to 64 steps measured 0.96-1.11x `none` where asking at every step made 1.18-1.81x
+# on repeating text; of up to 4, 8 and 16 steps, from one, 1.05x, 1.06x and 1.05x asking
+# at every step over the workload suite's greedy prompts: docs/LOG.md, 2026-12-07)
+GREEDY_REST_MAX = 8
 # the temperature from which a fresh server's requests start at the longest rest
 # (``Auto._seed``; docs/LOG.md, 2026-12-07)
 FRESH_REST_TEMPERATURE = 0.6
@@ -442,7 +448,10 @@ class Auto(DrafterBase):
         difference of the medians of this server's recent asked steps without a draft and
         rested ones (``_learn_overhead``, ``_learn_plain``), is ``ASK_OVERHEAD_PRIOR``
         one-row passes until ``OVERHEAD_MIN_STEPS`` of each are timed. Between 1 and
-        ``REST_MAX``; greedy requests do not rest."""
+        ``REST_MAX``; greedy 1: there an ask is weighed against the copies a rest misses,
+        and rests are kept short instead (``GREEDY_REST_MAX``)."""
+        if self.reg == "greedy":
+            return 1
         if self._floor is None:
             asked, plain = self.overhead.get("asked", ()), self.overhead.get("plain", ())
             step = self.cost(1)
@@ -476,10 +485,10 @@ class Auto(DrafterBase):
     def _seed(self, ctx: DraftContext) -> None:
         """The request's first step: its candidates, its sampling regime (beliefs are kept
         per regime), the server's copies that pay (so do ours) and the server's rests,
-        which go on from where its requests left them. Where they are at ``REST_MAX`` --
-        nothing has paid in this regime lately -- the request rests from its start, as
-        its first ask would most likely have found; a copy believed to pay still ends the
-        rest at once."""
+        which go on from where its requests left them. Where a sampled regime's are at
+        ``REST_MAX`` -- nothing has paid in it lately -- the request rests from its start,
+        as its first ask would most likely have found; a copy believed to pay still ends
+        the rest at once. A greedy request asks at its first step."""
         self.seeded = self._first = True  # the first asked step is not timed
         if not self._built:
             self.candidates()
@@ -491,7 +500,7 @@ class Auto(DrafterBase):
         # nothing paid at most steps, and a draft that pays ends the rests at once (``observe``)
         fresh = REST_MAX if ctx.temperature >= FRESH_REST_TEMPERATURE else 0
         self.pause = self.server_pause.get(reg, fresh)
-        if reg in REST_REGIMES and self.pause >= REST_MAX and not self._trained_copies_pay():
+        if self.pause >= REST_MAX and not self._trained_copies_pay():  # (never greedy)
             self.rest = REST_MAX
 
     def _copy_now(self, ctx: DraftContext) -> bool:
@@ -599,9 +608,10 @@ class Auto(DrafterBase):
                     best_key, best_draft, best_g = key, draft, g
         if best_key is None:  # nothing pays: plain decoding, and its figures say so
             self.last = None
-            if reg in REST_REGIMES and not self._trained_copies_pay():
+            if not self._trained_copies_pay():
+                longest = GREEDY_REST_MAX if reg == "greedy" else REST_MAX
                 self.rest = self.pause = self.server_pause[reg] = min(
-                    max(2 * self.pause, self._rest_floor()), REST_MAX)
+                    max(2 * self.pause, self._rest_floor()), longest)
             return _NONE
         if isinstance(best_draft, Draft):  # a trained drafter's, sent whole
             draft = dataclasses.replace(best_draft, method=best_key[0])
@@ -631,7 +641,7 @@ class Auto(DrafterBase):
             self._observe(key, depth, len(accepted))
             # a draft that paid for its step starts the rests over, the server's too
             seconds = 0.0 if key[0] in CHEAP else self.draft_seconds.get(key[0], 0.0)
-            # (nothing to start over where both are at 0 already: a greedy request's are)
+            # (nothing to start over where both are at 0 already)
             if (self.pause or self.server_pause.get(self.reg) != 0) and self.cost is not None:
                 base = self._step_overhead()
                 if ((1 + len(accepted)) * (self.cost(1) + base)

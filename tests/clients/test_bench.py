@@ -42,19 +42,25 @@ def test_every_category_has_its_own_held_out_prompts():
 def test_a_short_run_reports_every_row_and_checks_the_text(tmp_path, capsys):
     out, md, png = tmp_path / "bench.json", tmp_path / "bench.md", tmp_path / "bench.png"
     bench.main(["--models", "micro", "--categories", "edit,chat", "--regimes", "greedy,t1.0",
-                "--methods", "prompt_lookup,suffix", "--prompts", "1", "--tokens", "12",
+                "--methods", "none,prompt_lookup,suffix", "--prompts", "1", "--tokens", "12",
                 "--repeats", "2", "--eager", "--json-out", str(out), "--md-out", str(md),
                 "--plot", str(png)])
     result = json.loads(out.read_text())
-    assert len(result["rows"]) == 2 * 2 * 2
+    assert len(result["rows"]) == 2 * 2 * 3
     for row in result["rows"]:
         assert row["speedup_min"] <= row["speedup"] <= row["speedup_max"]
         assert row["tokens_per_pass"] >= 1.0 and 0.0 <= row["loop_share"] <= 1.0
         assert row["none_tokens_per_s"] > 0
     assert {(s["category"], s["regime"]) for s in result["summary"]} == {
         (c, r) for c in ("edit", "chat") for r in ("greedy", "t1.0")}
-    assert all(s["best"] in ("prompt_lookup", "suffix") for s in result["summary"])
+    # plain decoding against itself is a column, never the best single drafter
+    assert all(s["best"] in ("prompt_lookup", "suffix") and "none" in s["speedups"]
+               for s in result["summary"])
+    nulls = [r for r in result["rows"] if r["method"] == "none"]
+    assert len(nulls) == 4 and all(r["acceptance_rate"] is None and r["tokens_per_pass"] == 1.0
+                                   for r in nulls)
     assert "| micro | greedy | edit |" in md.read_text() and png.stat().st_size > 1000
+    assert "measured against itself" in md.read_text()
     with pytest.raises(SystemExit):
         bench.main(["--regimes", "t9"])
 

@@ -68,6 +68,15 @@ def priced_clock(monkeypatch, fixed_prices):
     monkeypatch.setattr(Sequence, "verify", priced)
 
 
+@pytest.fixture
+def no_greedy_rests(monkeypatch):
+    """Greedy ``auto`` asking at every step (no rests after steps where nothing paid): for
+    the tests of what an ask does, step after step."""
+    from nodraft.drafters import auto as auto_module
+
+    monkeypatch.setattr(auto_module, "GREEDY_REST_MAX", 0)
+
+
 def test_expected_tokens_under_a_uniform_belief():
     # Beta(1, 1): E[alpha**j] = 1 / (j + 1), so a step of k drafts expects H(k + 1) tokens
     tokens = Acceptance(1.0, 1.0).tokens(5)
@@ -153,7 +162,7 @@ def test_auto_keeps_up_only_the_candidates_with_per_step_state():
     assert auto.observers == ["eagle"]
 
 
-def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
+def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see(no_greedy_rests):
     """A trained candidate first drafts at a later step: EAGLE, built then, reads the
     positions it never observed, and the output is still plain decoding's."""
     from nodraft.engine.sequence import Sequence
@@ -183,7 +192,8 @@ def test_eagle_built_mid_request_drafts_from_the_features_it_did_not_see():
     assert "eagle" in [m for _, m, _ in methods]
 
 
-def test_trained_candidates_are_looked_at_every_few_asks_while_none_is_worth_a_draft():
+def test_trained_candidates_are_looked_at_every_few_asks_while_none_is_worth_a_draft(
+        no_greedy_rests):
     """A trained candidate's belief moves only when it drafts, so while none is worth a
     draft auto looks at them once every ``TRAINED_EVERY`` asks; after a look that finds
     one worth a draft, at the next ask again."""
@@ -289,10 +299,11 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 @pytest.mark.parametrize("temperature", [0.0, 0.3, 0.7, 1.0])
 @pytest.mark.parametrize("fresh", [False, True])
 def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
-    """Sampled, after an asked step with nothing to send auto does not ask at the next
-    step, nor at the next 2, 4, 8, ... up to ``REST_MAX`` while asked steps stay empty --
-    on a fresh server it starts at the longest rest from temperature 0.6; greedy it asks
-    at every step."""
+    """After an asked step with nothing to send auto does not ask at the next step, nor
+    at the next 2, 4, 8, ... while asked steps stay empty, up to ``REST_MAX`` sampled --
+    on a fresh server it starts at the longest rest from temperature 0.6 -- and up to
+    ``GREEDY_REST_MAX`` greedy."""
+    from nodraft.drafters.auto import GREEDY_REST_MAX
     from nodraft.engine.verify import SamplingParams
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
@@ -311,13 +322,17 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
                                sampling=SamplingParams(temperature=temperature, seed=3))
     assert len(steps) == n and not any(s.draft for s in steps)
     # the first step is the prompt's prefill (no draft), the last has no room for one
-    doubling, rest = [1], 1
-    while doubling[-1] + rest + 1 < n - 1:
-        doubling.append(doubling[-1] + rest + 1)
-        rest = min(2 * rest, REST_MAX)
-    assert doubling[:6] == [1, 3, 6, 11, 20, 37]
-    want = ([REST_MAX + 1] if fresh and temperature >= 0.6 else doubling) \
-        if temperature > 0 else list(range(1, n - 1))
+    def doubling(longest: int) -> list[int]:
+        out, rest = [1], 1
+        while out[-1] + rest + 1 < n - 1:
+            out.append(out[-1] + rest + 1)
+            rest = min(2 * rest, longest)
+        return out
+
+    assert doubling(REST_MAX)[:6] == [1, 3, 6, 11, 20, 37]
+    assert doubling(GREEDY_REST_MAX)[:7] == [1, 3, 6, 11, 20, 29, 38]
+    want = ([REST_MAX + 1] if fresh and temperature >= 0.6 else doubling(REST_MAX)) \
+        if temperature > 0 else doubling(GREEDY_REST_MAX)
     assert [k - 19 for k in asked] == want
 
 
@@ -578,7 +593,7 @@ def test_a_request_on_a_server_whose_copies_pay_meets_them_from_its_start():
         assert (auto.propose(ctx, 8) is not NOT_LOOKED) == woken
 
 
-def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
+def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts(no_greedy_rests):
     """Drafts are priced with what a drafted step costs beyond its pass, more than an
     asked step without one: ``DRAFT_OVERHEAD_PRIOR`` one-row passes until enough steps of
     each kind are timed (``ctx.step_seconds`` beside ``ctx.pass_seconds``), then the
@@ -628,7 +643,7 @@ def test_a_drafted_steps_own_overhead_is_measured_and_prices_drafts():
     assert not len(auto.propose(ctx, 8))
 
 
-def test_an_asked_steps_own_work_is_priced_on_both_sides_of_a_choice():
+def test_an_asked_steps_own_work_is_priced_on_both_sides_of_a_choice(no_greedy_rests):
     """What an asked step takes beyond its pass whether it sends a draft or not -- the
     median over the server's asked steps without one, once ``OVERHEAD_MIN_STEPS`` are
     timed -- is added to plain decoding's step and to each draft's alike: a draft that
