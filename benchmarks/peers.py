@@ -483,6 +483,12 @@ def ratio_rows(runs: dict, pairs: dict[str, tuple[str, str]]) -> dict:
     return out
 
 
+def case_key(c: tuple, mode: str) -> str:
+    """A case's key in the results: (part, system, model, method, prompt set) in ``mode``."""
+    part, system, model, method, key = c
+    return f"{part}/{mode}/{key}/{system}/{model}/{method}"
+
+
 SUITE_RATIOS = {"none_over_llama_server": ("nodraft none", "llama-server"),
                 "llama_server_ngram_over_plain": ("llama-server ngram-simple", "llama-server")}
 
@@ -498,8 +504,8 @@ def suite_ratios(runs: dict, suite_keys: dict[str, list[str]]) -> dict:
                 for name, (a, b) in SUITE_RATIOS.items():
                     xs = []
                     for key in keys:
-                        ka, kb = (f"suite/{mode}/{key}/{SUITE_SYSTEMS[x][0]}/{model}/"
-                                  f"{SUITE_SYSTEMS[x][1]}" for x in (a, b))
+                        ka, kb = (case_key(("suite", SUITE_SYSTEMS[x][0], model,
+                                            SUITE_SYSTEMS[x][1], key), mode) for x in (a, b))
                         xs += [x / y for x, y in zip(runs.get(ka, []), runs.get(kb, [])) if y > 0]
                     if xs:
                         row[name] = spread(xs)
@@ -851,10 +857,6 @@ async def driver(args: argparse.Namespace, argv: list[str] | None) -> None:
                     cases += [("suite", system, model, method, key) for key in keys
                               for system, method in SUITE_SYSTEMS.values()]
         cases = [c for c in cases if c[1] in systems or c[1] in workers]  # what is installed
-
-        def case_key(c, mode):
-            part, system, model, method, key = c
-            return f"{part}/{mode}/{key}/{system}/{model}/{method}"
 
         # warm every path once (compiles, first requests), untimed
         for c in cases:

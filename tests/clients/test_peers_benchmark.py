@@ -6,7 +6,7 @@ from benchmarks import peers
 
 def _key(mode: str, prompt: str, system: str, model: str) -> str:
     name, method = peers.SUITE_SYSTEMS[system]
-    return f"suite/{mode}/{prompt}/{name}/{model}/{method}"
+    return peers.case_key(("suite", name, model, method, prompt), mode)
 
 
 def test_a_category_pools_its_prompts_ratios_round_by_round():
