@@ -56,7 +56,9 @@ class PassCost:
     long drafts, short drafts looked dearer than they were, and ``auto`` sent none where
     they paid (docs/LOG.md, 2026-12-07). A size no pass of its own has taught yet is
     priced at the one-row passes' scale (the cheapest guess: a draft that then costs more
-    teaches its size its price)."""
+    teaches its size its price). Only the passes it prices teach it -- a plain pass and a
+    chain drafted without a model (``engine.sequence.Sequence.step``): a pass after a
+    drafter's own model ran, a tree's and one with lookahead's window rows cost otherwise."""
 
     def __init__(self, table: dict[int, float]):
         self.rows = sorted(table)

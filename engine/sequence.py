@@ -406,8 +406,11 @@ class Sequence:
         t0 = time.perf_counter()
         logits, hidden = self.verify(draft)
         passed = time.perf_counter() - t0
-        if self.pass_cost is not None and not self._reused:  # a whole pass: what it cost
-            self.pass_cost.observe(1 + len(draft) + draft.n_aux, passed)
+        # only a model-free chain's pass teaches the table: the passes it times and prices
+        # (``PassCost``)
+        if (self.pass_cost is not None and not self._reused and draft.parents is None
+                and not draft.n_aux and not draft.cost):
+            self.pass_cost.observe(1 + len(draft), passed)
         path, bonus = self._accept(logits, draft)
         result = self.commit(draft, path, bonus, hidden, logits)
         self.ctx.step_seconds = time.perf_counter() - t_step

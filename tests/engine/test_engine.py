@@ -106,6 +106,44 @@ def test_figures_follow_the_definitions():
     assert plain.stats.to_dict()["drafted"] == 0
 
 
+@pytest.mark.parametrize("method,params", [
+    ("none", {}), ("prompt_lookup", {}), ("lookahead", {}), ("early_exit", {"exit_layer": 1}),
+    ("early_exit", {"exit_layer": 2, "reuse_kv": True}),
+    ("medusa", {"num_heads": 1, "total_tokens": 3}), ("eagle", {})])
+def test_only_model_free_chains_teach_the_pass_prices(method, params):
+    """The table prices chains of model-free drafts (``auto``'s candidates): a pass after a
+    drafter's own model ran (early exit's reusing ones not even whole), a tree's and one
+    with lookahead's window rows run other graphs or start cold, and leave its scales
+    alone; a plain pass (nothing drafted, no window rows) and a model-free chain's teach
+    it, each by its rows."""
+    from nodraft.drafters.costs import PassCost
+
+    class Recording(PassCost):
+        def observe(self, rows, seconds):
+            seen.append(rows)
+            super().observe(rows, seconds)
+
+    seen: list[int] = []
+    cost = Recording({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
+    meth, p = Registry().parse({"method": method, **params})
+    drafter = Registry().build(meth, p, drafter_env(MODEL))
+    seq = Sequence(MODEL, KVCache(MODEL.config, 1), 0, [5, 6, 7, 8] * 6, drafter, 24,
+                   SamplingParams(), method=meth, pass_cost=cost)
+    steps = []
+    with torch.inference_mode():
+        while not seq.done:
+            steps.append(seq.step())
+    passes = steps[1:]  # the first token came from the prefill: no pass of its own
+    plain = sum(1 for r in passes if not r.draft)
+    if method in ("none", "prompt_lookup"):
+        assert seen == [1 + len(r.draft) for r in passes]
+        assert method == "none" or max(seen) > 1
+    else:  # only its plain passes, if any (lookahead's all carry window rows)
+        assert set(seen) <= {1} and len(seen) <= plain < len(passes)
+    assert (cost.one_scale != 1.0) == (1 in seen)
+    assert all(s is None for s in cost.scales) == (max(seen, default=1) == 1)
+
+
 def test_pass_prices_learn_from_the_passes_requests_run():
     from nodraft.drafters.costs import LEARN, PassCost
     cost = PassCost({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
@@ -134,35 +172,6 @@ def test_pass_prices_learn_from_the_passes_requests_run():
     fresh.observe(4, 2 * 1.9e-3)  # half-way between 3 and 5: half a step each
     assert fresh(3) == pytest.approx(1.8e-3 * (1 + LEARN / 2))
     assert fresh(5) == pytest.approx(2e-3 * (1 + LEARN / 2))
-
-
-def test_a_sequence_teaches_its_prices_with_whole_passes_only():
-    from nodraft.drafters.costs import PassCost
-
-    class Recording(PassCost):
-        def observe(self, rows, seconds):
-            seen.append((rows, seconds))
-
-    reg = Registry()
-    for method, params, whole in (("prompt_lookup", {}, True),
-                                  ("early_exit", {"exit_layer": 2}, True),
-                                  ("early_exit", {"exit_layer": 2, "reuse_kv": True}, False)):
-        seen = []
-        table = Recording({1: 1e-3, 2: 1.5e-3, 3: 1.8e-3, 5: 2e-3, 9: 3e-3, 17: 5e-3})
-        cache = KVCache(MODEL.config, 1, dtype=MODEL.tok_embeddings.weight.dtype)
-        seq = Sequence(MODEL, cache, 0, [1, 2, 3, 4] * 6, reg.build(
-            *reg.parse({"method": method, **params}), drafter_env(MODEL)), 20, method=method,
-            pass_cost=table)
-        steps = []
-        with torch.inference_mode():
-            while not seq.done:
-                steps.append(seq.step())
-        # the first step is the prompt's prefill, which prices no verification block
-        drafted = [1 + len(r.draft) for r in steps[1:]]
-        if whole:  # every pass, by its rows
-            assert [rows for rows, _ in seen] == drafted and all(t > 0 for _, t in seen)
-        else:  # early exit's reusing passes skip its draft's lower layers: not a whole pass's
-            assert [rows for rows, _ in seen] == [d for d in drafted if d == 1]
 
 
 def test_early_exit_cost_is_counted():
