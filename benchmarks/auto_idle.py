@@ -4,7 +4,7 @@ checkout against another, in one run.
 
     python benchmarks/auto_idle.py [--regime t1.0] [--model micro] [--repeats 5]
                                    [--tokens 128] [--rounds 4] [--before CHECKOUT]
-                                   [--own-costs] [--out FILE.json]
+                                   [--own-costs] [--method auto] [--out FILE.json]
 
 At temperature 1.0 no cheap drafter pays on the suite, so ``auto`` rests from a fresh
 server's first step and asks now and then (``drafters.auto``): what it costs there is its
@@ -21,6 +21,9 @@ then the heap frozen (``freeze_heap``), as ``nodraft bench`` runs them.
 ``--regime greedy`` measures the same pairs greedy, where ``auto`` drafts where copies pay
 and rests at most 8 steps after an ask that found nothing worth sending: its speed-up over
 ``none`` on the whole suite, what its own work per step costs or gains there.
+
+``--method``: another drafter measured the same way in place of ``auto`` (``suffix``: what
+a change to the searches it shares with ``auto`` does to it alone).
 
 ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``): a worker per checkout
 (``checkouts.checkout_env``), ``--rounds`` rounds, the order alternated round by round;
@@ -51,8 +54,8 @@ except ImportError:  # imported as benchmarks.auto_idle
 
 
 def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int,
-          name: str = "micro") -> list[float]:
-    """For each prompt and repeat, ``none``'s decode seconds over ``auto``'s (a fresh
+          name: str = "micro", method: str = "auto") -> list[float]:
+    """For each prompt and repeat, ``none``'s decode seconds over ``method``'s (a fresh
     server's state), the same seeded sampling: ``clients.measure.alternated``'s pairs, as
     ``nodraft bench`` makes them (it raises if their texts differ)."""
     from nodraft.clients.bench import regime_sampling
@@ -60,7 +63,7 @@ def pairs(model, prompts: list[dict], regime: str, repeats: int, tokens: int,
 
     out = []
     for p in prompts:
-        runs = alternated(model, p["ids"], tokens, "auto", repeats=repeats, model_name=name,
+        runs = alternated(model, p["ids"], tokens, method, repeats=repeats, model_name=name,
                           sampling=lambda r: regime_sampling(regime, r),
                           stop_ids=frozenset(p.get("stop_ids", ())))
         out += [base.seconds / run.seconds for base, run in runs]
@@ -83,7 +86,7 @@ def warmed(args: argparse.Namespace):
     model = load_model(args.model, CHECKPOINT_DIR).compile(True)
     prompts = [p for ps in build_prompts(load_tokenizer(), 2).values() for p in ps]
     for p in prompts:
-        for method in ("none", "auto"):
+        for method in ("none", args.method):
             decode(model, p["ids"], args.tokens, method, shared={}, model_name=args.model,
                    sampling=regime_sampling(args.regime, 0),
                    stop_ids=frozenset(p.get("stop_ids", ())))
@@ -123,7 +126,8 @@ def worker(args: argparse.Namespace) -> None:
     freeze_heap()
     print(json.dumps({"ready": True}), flush=True)
     for _ in sys.stdin:
-        ratios = pairs(model, prompts, args.regime, args.repeats, args.tokens, args.model)
+        ratios = pairs(model, prompts, args.regime, args.repeats, args.tokens, args.model,
+                       args.method)
         print(json.dumps({"median": statistics.median(ratios), "mean": statistics.fmean(ratios),
                           "pairs": len(ratios)}), flush=True)
 
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--regime", default="t1.0", help="a regime of nodraft bench")
     p.add_argument("--model", default="micro", help="a bundled model")
+    p.add_argument("--method", default="auto", help="the drafter measured against none")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=4)
@@ -155,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         time_costs(args)
         return
     base = [sys.executable, os.path.abspath(__file__), "--regime", args.regime,
-            "--model", args.model, "--repeats", str(args.repeats), "--tokens", str(args.tokens)]
+            "--model", args.model, "--repeats", str(args.repeats), "--tokens", str(args.tokens),
+            "--method", args.method]
     table = None
     if not args.own_costs:  # timed by this checkout, before the workers start
         done = subprocess.run(base + ["--time-costs"], capture_output=True, text=True,
@@ -167,14 +173,15 @@ def main(argv: list[str] | None = None) -> None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     checkouts = {"after": here, **({"before": args.before} if args.before else {})}
     rounds = alternate(cmd, checkouts, args.rounds)
-    out = {"regime": args.regime, "model": args.model, "repeats": args.repeats,
+    out = {"regime": args.regime, "model": args.model, "method": args.method,
+           "repeats": args.repeats,
            "tokens": args.tokens, "pass_costs": table,
            "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python benchmarks/auto_idle.py " + " ".join(argv or sys.argv[1:])}
     for name, got in rounds.items():
         med = [r["median"] for r in got]
         out[name] = {"median": statistics.median(med), "range": [min(med), max(med)]}
-        print(f"{name}: auto over none {out[name]['median']:.3f} "
+        print(f"{name}: {args.method} over none {out[name]['median']:.3f} "
               f"({min(med):.3f}-{max(med):.3f}) over {len(got)} rounds of {got[0]['pairs']} pairs")
     if args.before:
         out["after_over_before"] = out["after"]["median"] / out["before"]["median"]

@@ -67,9 +67,10 @@ def test_the_wheel_installs_one_namespace_with_its_data(wheel):
         assert f"nodraft/{package}/__init__.py" in names
     assert "nodraft/micro/checkpoints/micro.safetensors" in names
     assert "nodraft/micro/checkpoints/tokenizer.json" in names
-    assert "nodraft/micro/csrc/gemm.cpp" in names
-    for source in ("race.cpp", "attend.cpp", "simd.h"):  # every kernel source, and the header
-        assert f"nodraft/micro/csrc/{source}" in names
+    from nodraft.micro import gemm
+
+    for source in gemm.SOURCES + gemm.HEADERS:  # every kernel source, and the headers
+        assert f"nodraft/micro/csrc/{source.name}" in names
     assert any(n.startswith("nodraft/server/static/") for n in names)
     (entry,) = [n for n in names if n.endswith("entry_points.txt")]
     assert "nodraft = nodraft.server.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
