@@ -47,11 +47,23 @@ passes. The candidates, and the signals each is judged on:
   tens of microseconds of auto's work and a slower pass after it, on a step of a few
   hundred, and under sampling nothing pays at most steps. The rest lengths are the
   server's, per regime: a request goes on from where the server's requests left them
-  since a draft last paid (``server_pause``). A copy that starts at a rested step would
-  be met some steps late, so while any cheap drafter's match length is believed at least
-  ``COPIES_PAY`` (a copy's first step is worth several tokens) -- this request's belief,
-  or at its start the server's -- a rested step looks whether such a match is there
-  (``_copy_now``: a search of the request's tokens) and asks at once if it is. Greedy,
+  since a draft last paid (``server_pause``). Where a sampled regime's are at the longest
+  -- nothing paid there lately, or a fresh server from 0.6 -- a request rests its whole
+  length: it is never asked, and builds no candidate unless a copy is watched for
+  (below). The server learns of that regime after such a request's response instead,
+  off the request's time (``_hindsight``): what the cheap candidates would have drafted
+  at a few of the response's positions, scored against the tokens that followed, on at
+  most ``HINDSIGHT_SHARE`` of the regime's decoding time; where such a draft would then be
+  worth sending, the regime's rests start over and the next requests ask from their
+  first step. (An ask every ``REST_MAX`` steps instead cost those requests about one per
+  cent: docs/LOG.md, "Learning after the response".) Greedy, a copy that starts at a
+  rested step would be met some steps late, so while any cheap drafter's match length is
+  believed at least ``COPIES_PAY`` (a copy's first step is worth several tokens) -- this
+  request's belief, or at its start the server's -- a rested step looks whether such a
+  match is there (``_copy_now``: a search of the request's tokens) and asks at once if it
+  is. Sampled, a rest is not watched: on a server that had served other prompts at 0.7,
+  watching cost its requests 5-12% against resting unwatched (docs/LOG.md, "Learning
+  after the response"). Greedy,
   copies pay and a rest's steps are a copy's first steps missed: rests as long as the
   sampled ones measured a loss there (docs/LOG.md, 2026-12-05 and 2026-12-07), short ones
   a gain where asking cost more than the drafts it found (an ask of two candidates is
@@ -152,6 +164,16 @@ POOLED_MIN = 6.0  # pseudo-counts of shorter matches before a new key's prior fo
 # beliefs move only when drafted with, so a look finds what the last one found, and each
 # look is a few microseconds of a cold step per candidate (``propose``)
 TRAINED_EVERY = 8
+# a sampled request that rests from its start (nothing paid lately in its regime) is not
+# asked at any step: what the server learns of that regime it learns after the response, by
+# asking the cheap candidates what they would have drafted at up to this many of the
+# response's positions and scoring their drafts against the tokens that followed
+# (``Auto._hindsight``) ...
+HINDSIGHT_POINTS = 8
+# ... on at most this share of the regime's plain decoding time (the server's steps)
+HINDSIGHT_SHARE = 0.01
+# a rest as long as the request (``Auto._seed``)
+WHOLE = 1 << 40
 
 
 def pass_cost(env: DrafterEnv, ctx: DraftContext | None = None) -> PassCost:
@@ -241,6 +263,9 @@ class Auto(DrafterBase):
         self._rested = False  # the last step was one auto did not ask at: plain decoding's
         self._floor: int | None = None  # ``_rest_floor``, until a step is timed
         self._trained_in = 0  # asks until the trained candidates are looked at again
+        self.asks = 0  # this request's asked steps
+        # server-wide, per sampling regime: seconds of ``_hindsight`` still to be earned
+        self.hindsight_credit: dict[str, float] = env.shared.setdefault("auto_hindsight", {})
         self.resting = 0  # rested steps the sequence declines for auto (``propose``) ...
         self._quiet_from: int | None = None  # ... from the step with this many tokens
 
@@ -466,8 +491,11 @@ class Auto(DrafterBase):
     def _wake_lengths(self) -> tuple[int, int | None] | None:
         """(L, S) for ``_copy_now``: the shortest match length of a key of one of this
         request's cheap drafters believed at least ``COPIES_PAY``, and of suffix
-        decoding's (None: none is); None when no such key is. Read again only after
-        ``copies_pay`` changed."""
+        decoding's (None: none is); None when no such key is, and always under sampling:
+        there a rest is not watched (``propose``). Read again only after ``copies_pay``
+        changed."""
+        if self.reg != "greedy":
+            return None
         here = stored = None
         for name, m, _ in self.copies_pay:
             if name in self.cheap:
@@ -480,18 +508,17 @@ class Auto(DrafterBase):
         """Whether a trained candidate is believed at least ``COPIES_PAY``: auto then
         does not rest (its drafts cost a draft step, so no cheap search can say when to
         wake for them)."""
-        return any(k[0] in self.trained for k in self.copies_pay)
+        return any(k[0] in TRAINED and k[0] in self.names and
+                   (k[0] in self.trained_params or not self._built) for k in self.copies_pay)
 
     def _seed(self, ctx: DraftContext) -> None:
         """The request's first step: its candidates, its sampling regime (beliefs are kept
         per regime), the server's copies that pay (so do ours) and the server's rests,
         which go on from where its requests left them. Where a sampled regime's are at
-        ``REST_MAX`` -- nothing has paid in it lately -- the request rests from its start,
-        as its first ask would most likely have found; a copy believed to pay still ends
-        the rest at once. A greedy request asks at its first step."""
+        ``REST_MAX`` -- nothing has paid in it lately -- the request rests its whole length,
+        as its first ask would most likely have found. A greedy request asks at its first
+        step."""
         self.seeded = self._first = True  # the first asked step is not timed
-        if not self._built:
-            self.candidates()
         reg = self.reg = regime(ctx.temperature)
         self.copies_pay.update(k for k, g in self.global_est.items()
                                if k[2] == reg and g.alpha >= COPIES_PAY)
@@ -501,7 +528,12 @@ class Auto(DrafterBase):
         fresh = REST_MAX if ctx.temperature >= FRESH_REST_TEMPERATURE else 0
         self.pause = self.server_pause.get(reg, fresh)
         if self.pause >= REST_MAX and not self._trained_copies_pay():  # (never greedy)
-            self.rest = REST_MAX
+            # the whole request, unwatched (``_wake_lengths``), its candidates unbuilt: the
+            # server learns of the regime after it (``_hindsight``)
+            self.rest = WHOLE
+            return
+        if not self._built:
+            self.candidates()
 
     def _copy_now(self, ctx: DraftContext) -> bool:
         """Whether a match whose acceptance is believed at least ``COPIES_PAY`` is there
@@ -549,7 +581,10 @@ class Auto(DrafterBase):
                 self._rested = True  # the next step is timed as plain decoding's
                 return NOT_LOOKED
             self.rest = 0
+        if not self._built:  # rested from its start (``_seed``)
+            self.candidates()
         self._asked = True
+        self.asks += 1
         budget = min(budget, self.params.num_speculative_tokens)
         self.cost = pass_cost(self.env, ctx)
         if self.cheap:  # on the request's context, so every candidate reads this one
@@ -670,12 +705,89 @@ class Auto(DrafterBase):
         self.last, self._asked = None, False
 
     def close(self, ctx: DraftContext) -> None:
+        if self.seeded and not self.asks and self.reg != "greedy":
+            self._hindsight(ctx)  # before the store takes the response: not its own copy
         # a candidate that keeps what the request generated (suffix decoding's store of
         # responses) gets it even if auto never asked it
         self.candidates([n for n in self.names
                          if n in CHEAP and has_hook(_CANDIDATES.drafter_class(n), "close")])
         for name, drafter in self.drafters.items():
             close_drafter(drafter, self._ctx(ctx, name))
+
+    def _hindsight(self, ctx: DraftContext) -> None:
+        """A sampled request auto asked at no step, after its response: at up to
+        ``HINDSIGHT_POINTS`` positions spread over the response, what each cheap candidate
+        would have drafted there (from the tokens before it, as its ask would have), scored
+        against the tokens that followed as an unsent draft is (``observe``) -- the
+        accepted length of a chain drafted at a position is distributed as that matching
+        prefix is, since a drafted token is kept with the probability the target samples
+        it -- into the server's beliefs. Where one of those drafts would now be worth
+        sending, the regime's rests start over (``server_pause``): the server's next
+        requests ask from their first step. Spends at most ``HINDSIGHT_SHARE`` of the plain
+        decoding time of the regime's responses (a credit per regime, earned by each
+        response's tokens at a one-row pass's price, spent by the seconds this takes);
+        runs after the request's last token, off its own time."""
+        n = len(ctx.tokens) - ctx.prompt_len  # the response, its last token included
+        if n < 2:
+            return
+        self.cost = cost = pass_cost(self.env)
+        reg = self.reg
+        credit = self.hindsight_credit.get(reg, 0.0) + HINDSIGHT_SHARE * n * cost(1)
+        if credit < 0.0:
+            self.hindsight_credit[reg] = credit
+            return
+        t0 = time.perf_counter()
+        names = [name for name in CHEAP if name in self.names]
+        drafters = self.candidates(names)
+        tokens, budget = ctx.tokens, self.params.num_speculative_tokens
+        points = min(HINDSIGHT_POINTS, n - 1)
+        # context lengths: the response's first token is the prefill's, so from the second
+        at = sorted({ctx.prompt_len + 1 + i * (n - 2) // max(1, points - 1)
+                     for i in range(points)})
+        sub = copy.copy(ctx)
+        sub.tokens, sub.ngrams, sub.state = [], None, {}
+        drafts: dict[tuple, list] = {}
+        for t in at:
+            sub.tokens.extend(tokens[len(sub.tokens):t])
+            after = tokens[t:]
+            for name in names:
+                got, parents, match_len = drafters[name].proposal(sub, budget)
+                if not got:
+                    continue
+                key = (name, min(match_len, MAX_MATCH), reg)
+                if parents is None:
+                    depth, m = len(got), 0
+                    while m < depth and m < len(after) and got[m] == after[m]:
+                        m += 1
+                else:  # the tree's path along the tokens that followed
+                    depth, m, node = max(tree_depths(parents)), 0, -1
+                    while m < len(after):
+                        node = next((i for i, (u, q) in enumerate(zip(got, parents))
+                                     if q == node and u == after[m]), None)
+                        if node is None:
+                            break
+                        m += 1
+                if m < depth and m < len(after):
+                    self._observe(key, depth, m)
+                else:  # all it could be checked on was right
+                    self._observe(key, m, m)
+                drafts.setdefault(key, []).append((len(got), parents, depth))
+        # worth sending now? As the server's next request would price them: from the
+        # server's beliefs at a request's strength
+        self.est.clear()
+        base = self._step_overhead()
+        plain = 1.0 / (cost(1) + base)
+        for key, seen in drafts.items():
+            est = self._estimate(key)
+            for rows, parents, depth in seen:
+                if parents is None:
+                    g = best_length(est, rows, cost, self._draft_overhead() + base)[0]
+                else:
+                    g = self._goodput(est.tokens(depth)[depth], rows, 0.0)
+                if g > plain:
+                    self.server_pause[reg] = 0
+                    break
+        self.hindsight_credit[reg] = min(credit, 0.0) - (time.perf_counter() - t0)
 
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")

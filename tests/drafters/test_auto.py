@@ -7,7 +7,7 @@ import torch
 
 from nodraft.drafters import costs
 from nodraft.drafters.base import NOT_LOOKED
-from nodraft.drafters.auto import POOLED_MIN, REST_MAX, Auto
+from nodraft.drafters.auto import POOLED_MIN, REST_MAX, WHOLE, Auto
 from nodraft.drafters.goodput import MAX_ALPHA, Acceptance, best_length
 from nodraft.drafters.registry import Registry, SpeculationError
 from tests.conftest import tiny_model
@@ -300,9 +300,10 @@ def test_a_request_auto_never_asked_builds_no_candidate_but_still_stores_its_res
 @pytest.mark.parametrize("fresh", [False, True])
 def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
     """After an asked step with nothing to send auto does not ask at the next step, nor
-    at the next 2, 4, 8, ... while asked steps stay empty, up to ``REST_MAX`` sampled --
-    on a fresh server it starts at the longest rest from temperature 0.6 -- and up to
-    ``GREEDY_REST_MAX`` greedy."""
+    at the next 2, 4, 8, ... while asked steps stay empty, up to ``REST_MAX`` sampled, and
+    up to ``GREEDY_REST_MAX`` greedy. On a fresh server from temperature 0.6 it starts at
+    the longest rest: the request is not asked at all, and its candidates are asked after
+    it, at positions spread over its response (``_hindsight``)."""
     from nodraft.drafters.auto import GREEDY_REST_MAX
     from nodraft.engine.verify import SamplingParams
 
@@ -317,6 +318,9 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
         return [], None, 0
 
     auto.candidates()["prompt_lookup"].proposal = nothing
+    after = []  # the asks made before the hindsight's, when it ran
+    hindsight = auto._hindsight
+    auto._hindsight = lambda ctx: (after.append(len(asked)), hindsight(ctx))
     n = REST_MAX + 36  # the test model's positions hold 128
     out, seq, steps = generate(MODEL, list(range(1, 20)), n, drafter=auto,
                                sampling=SamplingParams(temperature=temperature, seed=3))
@@ -331,9 +335,13 @@ def test_auto_rests_after_steps_where_nothing_could_pay(temperature, fresh):
 
     assert doubling(REST_MAX)[:6] == [1, 3, 6, 11, 20, 37]
     assert doubling(GREEDY_REST_MAX)[:7] == [1, 3, 6, 11, 20, 29, 38]
-    want = ([REST_MAX + 1] if fresh and temperature >= 0.6 else doubling(REST_MAX)) \
-        if temperature > 0 else doubling(GREEDY_REST_MAX)
-    assert [k - 19 for k in asked] == want
+    whole = fresh and temperature >= 0.6
+    want = ([] if whole else doubling(REST_MAX)) if temperature > 0 \
+        else doubling(GREEDY_REST_MAX)
+    assert [k - 19 for k in asked[:after[0] if after else None]] == want
+    assert after == ([0] if whole else [])
+    if whole:  # eight positions from the response's second token to its last
+        assert [k - 19 for k in asked] == [1 + i * (n - 2) // 7 for i in range(8)]
 
 
 def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays():
@@ -353,17 +361,13 @@ def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays(
     later = Auto(p, drafter_env(MODEL, shared))
     later.est[key] = Acceptance(0.05, 40.0)
     assert not len(later.propose(ctx, 8)) and later.rest == 4
-    # where they reached the longest, a new request rests from its first step, unasked
+    # where they reached the longest, a new request rests its whole length, unasked
     shared["auto_pause"]["t>0.85"] = REST_MAX
     rested = Auto(p, drafter_env(MODEL, shared))
     assert rested.propose(ctx, 8) is NOT_LOOKED
-    # nothing to watch for: the rest's other steps are declined by the sequence for it,
-    # and counted when it is next asked (one token each)
-    assert rested.resting == REST_MAX - 1 and rested.rest == 0
-    assert rested.drafters and not rested.proposals  # its candidates built, none asked
-    step = rested.step
-    rested.propose(_ctx(ctx.tokens + [9] * REST_MAX), 8)
-    assert rested.step == step + REST_MAX and rested.proposals  # asked
+    # nothing to watch for: the rest's other steps are declined by the sequence for it
+    assert rested.resting == WHOLE - 1 and rested.rest == 0
+    assert not rested.drafters and not rested.proposals  # no candidate built, none asked
     auto.rest = 0
     auto.est[key] = Acceptance(40.0, 0.5)  # mostly accepted
     assert len(auto.propose(ctx, 8))
@@ -374,16 +378,108 @@ def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays(
     assert auto.pause == 0 and shared["auto_pause"] == {"t>0.85": 0}
 
 
+def _rested_request(shared: dict, prompt: list[int], response: list[int],
+                    temperature: float = 0.7) -> Auto:
+    """A sampled request ``auto`` rested through (a fresh server's, from 0.6), closed
+    after ``response``."""
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx(prompt + response[:1])
+    ctx.prompt_len, ctx.temperature = len(prompt), temperature
+    assert auto.propose(ctx, 8) is NOT_LOOKED and auto.resting  # the whole request
+    for t in response[1:]:  # the steps the sequence runs without asking it
+        auto.observe(ctx, [])
+        ctx.tokens.append(t)
+    auto.close(ctx)
+    return auto
+
+
+@pytest.mark.parametrize("copies", [True, False])
+def test_a_request_rested_through_teaches_the_server_after_its_response(copies):
+    """After a sampled request auto asked at no step, its cheap candidates are asked what
+    they would have drafted at positions spread over the response and scored against the
+    tokens that followed, into the server's beliefs. Where those drafts would pay now, the
+    server's next requests ask from their first step; where they would not, they rest
+    through too."""
+    from nodraft.drafters.auto import HINDSIGHT_POINTS
+
+    shared: dict = {}
+    prompt = [5, 9, 11, 3, 7, 2, 13, 17] * 3
+    # the response goes on copying the prompt's loop, or goes somewhere new
+    response = (prompt * 3)[:40] if copies else list(range(40, 80))
+    _rested_request(shared, prompt, response)
+    beliefs = {k: g for k, g in shared["auto_alpha"].items() if k[2] == "t<=0.85"}
+    if copies:
+        assert {k[0] for k in beliefs} == {"prompt_lookup", "suffix"}
+        counted = sum(g.accepted + g.rejected for g in beliefs.values())
+        assert counted >= HINDSIGHT_POINTS  # every position drafted (tokens and rejections)
+        assert all(g.alpha > 0.9 for g in beliefs.values())
+        assert shared["auto_pause"]["t<=0.85"] == 0
+    else:  # no n-gram of the new text occurred before it: no draft, nothing learnt
+        assert not beliefs and "t<=0.85" not in shared.get("auto_pause", {})
+    # the next request on this server
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    nxt = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx(prompt)
+    ctx.temperature = 0.7
+    draft = nxt.propose(ctx, 8)
+    assert (draft is not NOT_LOOKED) == copies
+    if copies:  # a copy believed to pay: sent from the first step
+        assert len(draft) and draft.tokens.tolist()[:3] == [5, 9, 11]
+
+
+def test_a_drafted_position_rejected_in_hindsight_counts_as_a_rejection():
+    shared: dict = {}
+    prompt = [5, 9, 11, 3, 7, 2, 13, 17] * 3
+    # the loop breaks off at once after each position's match: its drafts' first token
+    # is right at most once
+    response = [5, 9, 11, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54]
+    _rested_request(shared, prompt, response)
+    beliefs = [g for k, g in shared["auto_alpha"].items() if k[0] == "prompt_lookup"]
+    assert beliefs and sum(g.rejected for g in beliefs) > 0
+    assert all(g.alpha < 0.8 for g in beliefs)
+
+
+def test_hindsight_spends_at_most_its_share_of_the_regimes_decoding_time():
+    """Each response earns the regime ``HINDSIGHT_SHARE`` of its tokens' plain decoding
+    time; a request after which the credit is short is not looked back on (it only earns)."""
+    from nodraft.drafters.auto import HINDSIGHT_SHARE
+
+    prompt = [5, 9, 11, 3, 7, 2, 13, 17] * 3
+    response = (prompt * 3)[:40]
+    shared: dict = {"auto_hindsight": {"t<=0.85": -1.0}}  # spent more than earned
+    _rested_request(shared, prompt, response)
+    assert "auto_alpha" not in shared or not shared["auto_alpha"]
+    one = costs.current(MODEL)(1)
+    assert shared["auto_hindsight"]["t<=0.85"] == pytest.approx(
+        -1.0 + HINDSIGHT_SHARE * (len(response)) * one)
+    shared["auto_hindsight"]["t<=0.85"] = 0.0  # earned again: the next one is
+    _rested_request(shared, prompt, response)
+    assert shared["auto_alpha"]
+    assert shared["auto_hindsight"]["t<=0.85"] < 0.0  # what it took, spent
+    # a greedy request, and one auto asked at, are never looked back on
+    for temperature, pause in ((0.0, None), (0.7, 0)):
+        shared = {} if pause is None else {"auto_pause": {"t<=0.85": pause}}
+        _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+        auto = Auto(p, drafter_env(MODEL, shared))
+        ctx = _ctx(prompt + response)
+        ctx.temperature = temperature
+        auto.propose(ctx, 8)
+        assert auto.asks == 1
+        auto.close(ctx)
+        assert "auto_hindsight" not in shared or not shared["auto_hindsight"]
+
+
 def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
     from nodraft.drafters.auto import COPIES_PAY
 
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
-    auto = Auto(p, drafter_env(MODEL, {"auto_pause": {"t>0.85": 0}}))  # not a fresh server
+    auto = Auto(p, drafter_env(MODEL, {"auto_pause": {"greedy": 0}}))  # not a fresh server
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])  # nothing matches its last tokens
-    ctx.temperature = 1.0
+    ctx.temperature = 0.0  # greedy: sampled, rests are not watched
     assert not len(auto.propose(ctx, 8)) and auto.rest == 1
     # 2-token matches are believed to copy well (a copy is met at its first step) ...
-    copy = ("prompt_lookup", 2, "t>0.85")
+    copy = ("prompt_lookup", 2, "greedy")
     auto.est[copy] = Acceptance(30.0, 1.0)
     auto._observe(copy, 2, 2)
     assert auto.est[copy].alpha >= COPIES_PAY and copy in auto.copies_pay
@@ -401,18 +497,43 @@ def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
     assert copy not in auto.copies_pay
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_only_greedy_rests_are_watched_for_copies(temperature):
+    """A copy believed to pay ends a greedy rest at its first step; a sampled rest is not
+    watched -- the sequence declines its steps without calling auto -- however strongly
+    the copy is believed in."""
+    from nodraft.drafters.goodput import regime
+
+    reg = regime(temperature)
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    copy = ("prompt_lookup", 2, reg)
+    shared = {"auto_pause": {reg: 0}, "auto_alpha": {copy: Acceptance(30.0, 1.0)}}
+    auto = Auto(p, drafter_env(MODEL, shared))
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])  # nothing matches its last tokens
+    ctx.temperature = temperature
+    auto.est[("prompt_lookup", 1, reg)] = Acceptance(0.05, 40.0)
+    assert not len(auto.propose(ctx, 8)) and auto.rest == 1
+    auto.rest = 8
+    ctx.tokens += [9, 11]  # [9 11] occurred before: a copy believed to pay starts here
+    got = auto.propose(ctx, 8)
+    if temperature == 0.0:
+        assert got is not NOT_LOOKED and got.tokens.tolist()[:2] == [3, 7]
+    else:
+        assert got is NOT_LOOKED and auto.resting == 7 and auto.rest == 0
+
+
 def test_a_rest_ends_where_the_servers_stored_responses_hold_a_copy():
     """Suffix decoding's keys also wake a rest where the context's tail is in its store of
     previous responses (and only theirs: prompt lookup reads the request alone)."""
-    shared: dict = {}
+    shared: dict = {"auto_pause": {"greedy": 0}}  # not a fresh server: asked at once
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
     auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx([5, 9, 11, 3, 7, 2, 40])
-    ctx.temperature = 1.0
+    ctx.temperature = 0.0  # greedy: sampled, rests are not watched
     auto.propose(ctx, 8)
     auto.drafters["suffix"].global_index.add([60, 61, 62, 63, 64])
     for name, tail in (("prompt_lookup", [60, 61]), ("suffix", [62, 63])):
-        key = (name, 2, "t>0.85")
+        key = (name, 2, "greedy")
         auto.est[key] = Acceptance(30.0, 1.0)
         auto._observe(key, 2, 2)
         auto.rest = 8
@@ -581,11 +702,11 @@ def test_a_request_on_a_server_whose_copies_pay_meets_them_from_its_start():
     env = drafter_env(MODEL, shared)
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4)  # its last 8 tokens occurred before
-    ctx.temperature = 1.0
-    key = ("prompt_lookup", 3, "t>0.85")
+    ctx.temperature = 0.0  # greedy: sampled, rests are not watched
+    key = ("prompt_lookup", 3, "greedy")
     for server, woken in ((Acceptance(30.0, 1.0), True), (Acceptance(3.0, 3.0), False)):
-        shared["auto_alpha"] = {("prompt_lookup", 8, "t>0.85"): server}
-        shared["auto_pause"] = {"t>0.85": 0}  # no rest yet, not a fresh server
+        shared["auto_alpha"] = {("prompt_lookup", 8, "greedy"): server}
+        shared["auto_pause"] = {"greedy": 0}  # no rest yet, not a fresh server
         auto = Auto(p, env)
         auto.candidates()
         auto.est[key] = Acceptance(0.05, 40.0)  # this request: its 3-gram matches do not pay
@@ -775,13 +896,13 @@ def test_only_this_requests_candidates_beliefs_end_or_prevent_its_rests():
     """The server's beliefs come from every request's candidates; a request whose
     candidates leave suffix decoding (or a trained drafter) out rests as if it had none
     of theirs -- no lookup in a store it never built, no drafter error."""
-    shared: dict = {"auto_alpha": {("suffix", 2, "t>0.85"): Acceptance(30.0, 1.0),
-                                   ("eagle", 0, "t>0.85"): Acceptance(30.0, 1.0)},
-                    "auto_pause": {"t>0.85": 0}}
+    shared: dict = {"auto_alpha": {("suffix", 2, "greedy"): Acceptance(30.0, 1.0),
+                                   ("eagle", 0, "greedy"): Acceptance(30.0, 1.0)},
+                    "auto_pause": {"greedy": 0}}
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
     auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])
-    ctx.temperature = 1.0
+    ctx.temperature = 0.0  # greedy: sampled, rests are not watched
     assert not len(auto.propose(ctx, 8)) and auto.rest == 1
     ctx.tokens += [9, 11]  # a 2-token match: suffix decoding's, which this request lacks
     assert auto.propose(ctx, 8) is NOT_LOOKED

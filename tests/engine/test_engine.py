@@ -615,6 +615,38 @@ def test_prompts_prefilled_in_a_packed_pass_get_their_first_token_from_it():
         assert es[-1].stats.target_passes == 1
 
 
+def test_a_sampled_auto_request_rested_through_is_looked_back_on_after_it_ends():
+    """On a fresh server, an ``auto`` request at temperature 0.7 is never asked to draft;
+    its response is looked back on from the close hook the engine runs after the request's
+    end (``Auto._hindsight``): the server's state for ``auto`` holds the regime's
+    hindsight credit (spent), and its suffix candidate's store of responses the response."""
+    engine = float64_engine(max_running=1, max_waiting=4)
+    engine.start()
+    try:
+        ended, stats = threading.Event(), []
+
+        def cb(ev):
+            if ev.kind in ("finish", "error"):
+                stats.append(ev.stats)
+                ended.set()
+
+        method, params = Registry().parse({"method": "auto",
+                                            "candidates": "prompt_lookup,suffix"})
+        engine.submit(GenerationRequest("micro", [3, 1, 4, 1, 5, 9, 2, 6] * 4, 40,
+                                        SamplingParams(temperature=0.7, seed=5),
+                                        method=method, params=params), cb)
+        assert ended.wait(30)
+        deadline = time.time() + 5
+        state = engine.shared.setdefault(("auto", "micro"), {})
+        while "t<=0.85" not in state.get("auto_hindsight", {}) and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert stats[0].drafted == 0 and stats[0].target_passes == 40
+    assert state["auto_hindsight"]["t<=0.85"] < 0.0  # looked back on: its time spent
+    assert len(state["suffix"]["suffix_global"]) == 1  # auto's suffix candidate's store
+
+
 @pytest.mark.parametrize("cancel", [False, True])
 def test_a_drafter_is_closed_after_its_requests_end_is_reported(cancel):
     """The engine runs a finished sequence's close hook (suffix decoding's store taking
