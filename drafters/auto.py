@@ -49,8 +49,8 @@ passes. The candidates, and the signals each is judged on:
   server's, per regime: a request goes on from where the server's requests left them
   since a draft last paid (``server_pause``). Where a sampled regime's are at the longest
   -- nothing paid there lately, or a fresh server from 0.6 -- a request rests its whole
-  length: it is never asked, and builds no candidate unless a copy is watched for
-  (below). The server learns of that regime after such a request's response instead,
+  length: it is never asked and builds no candidate (a sampled rest is not watched for
+  copies: below). The server learns of that regime after such a request's response instead,
   off the request's time (``_hindsight``): what the cheap candidates would have drafted
   at a few of the response's positions, scored against the tokens that followed, on at
   most ``HINDSIGHT_SHARE`` of the regime's decoding time; where such a draft would then be

@@ -387,9 +387,8 @@ def _rested_request(shared: dict, prompt: list[int], response: list[int],
     ctx = _ctx(prompt + response[:1])
     ctx.prompt_len, ctx.temperature = len(prompt), temperature
     assert auto.propose(ctx, 8) is NOT_LOOKED and auto.resting  # the whole request
-    for t in response[1:]:  # the steps the sequence runs without asking it
-        auto.observe(ctx, [])
-        ctx.tokens.append(t)
+    auto.observe(ctx, [])
+    ctx.tokens += response[1:]  # the steps the sequence declines for it (``resting``)
     auto.close(ctx)
     return auto
 
