@@ -55,7 +55,8 @@ passes. The candidates, and the signals each is judged on:
   at a few of the response's positions, scored against the tokens that followed, on at
   most ``HINDSIGHT_SHARE`` of the regime's decoding time; where such a draft would then be
   worth sending, the regime's rests start over and the next requests ask from their
-  first step. (An ask every ``REST_MAX`` steps instead cost those requests about one per
+  first step -- where the response's last step ran alone (in a batch, other requests
+  would wait on it). (An ask every ``REST_MAX`` steps instead cost those requests about one per
   cent: docs/LOG.md, "Learning after the response".) Greedy, a copy that starts at a
   rested step would be met some steps late, so while any cheap drafter's match length is
   believed at least ``COPIES_PAY`` (a copy's first step is worth several tokens) -- this
@@ -705,8 +706,11 @@ class Auto(DrafterBase):
         self.last, self._asked = None, False
 
     def close(self, ctx: DraftContext) -> None:
-        if self.seeded and not self.asks and self.reg != "greedy":
-            self._hindsight(ctx)  # before the store takes the response: not its own copy
+        # (before the store takes the response: not its own copy), where the request's
+        # last step ran alone -- in a packed pass other requests would wait on it
+        if (self.seeded and not self.asks and self.reg != "greedy"
+                and ctx.step_seconds is not None):
+            self._hindsight(ctx)
         # a candidate that keeps what the request generated (suffix decoding's store of
         # responses) gets it even if auto never asked it
         self.candidates([n for n in self.names
@@ -726,7 +730,9 @@ class Auto(DrafterBase):
         requests ask from their first step. Spends at most ``HINDSIGHT_SHARE`` of the plain
         decoding time of the regime's responses (a credit per regime, earned by each
         response's tokens at a one-row pass's price, spent by the seconds this takes);
-        runs after the request's last token, off its own time."""
+        runs after the request's last token, off its own time, and only where that token's
+        step ran alone (``ctx.step_seconds``): after a packed pass, other requests' steps
+        would wait on it."""
         n = len(ctx.tokens) - ctx.prompt_len  # the response, its last token included
         if n < 2:
             return

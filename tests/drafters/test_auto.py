@@ -379,9 +379,9 @@ def test_sampled_rests_grow_go_on_across_requests_and_restart_when_a_draft_pays(
 
 
 def _rested_request(shared: dict, prompt: list[int], response: list[int],
-                    temperature: float = 0.7) -> Auto:
+                    temperature: float = 0.7, lone: bool = True) -> Auto:
     """A sampled request ``auto`` rested through (a fresh server's, from 0.6), closed
-    after ``response``."""
+    after ``response``, its last step run alone (``lone``) or in a packed pass."""
     _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
     auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx(prompt + response[:1])
@@ -389,6 +389,7 @@ def _rested_request(shared: dict, prompt: list[int], response: list[int],
     assert auto.propose(ctx, 8) is NOT_LOOKED and auto.resting  # the whole request
     auto.observe(ctx, [])
     ctx.tokens += response[1:]  # the steps the sequence declines for it (``resting``)
+    ctx.step_seconds = 3e-4 if lone else None  # its last step ran alone, or packed
     auto.close(ctx)
     return auto
 
@@ -441,7 +442,8 @@ def test_a_drafted_position_rejected_in_hindsight_counts_as_a_rejection():
 
 def test_hindsight_spends_at_most_its_share_of_the_regimes_decoding_time():
     """Each response earns the regime ``HINDSIGHT_SHARE`` of its tokens' plain decoding
-    time; a request after which the credit is short is not looked back on (it only earns)."""
+    time; a request after which the credit is short is not looked back on (it only earns),
+    nor one whose last step ran in a packed pass."""
     from nodraft.drafters.auto import HINDSIGHT_SHARE
 
     prompt = [5, 9, 11, 3, 7, 2, 13, 17] * 3
@@ -456,6 +458,10 @@ def test_hindsight_spends_at_most_its_share_of_the_regimes_decoding_time():
     _rested_request(shared, prompt, response)
     assert shared["auto_alpha"]
     assert shared["auto_hindsight"]["t<=0.85"] < 0.0  # what it took, spent
+    # nor one whose last step ran in a packed pass: other requests' steps would wait
+    shared = {}
+    _rested_request(shared, prompt, response, lone=False)
+    assert not shared["auto_alpha"] and not shared["auto_hindsight"]
     # a greedy request, and one auto asked at, are never looked back on
     for temperature, pause in ((0.0, None), (0.7, 0)):
         shared = {} if pause is None else {"auto_pause": {"t<=0.85": pause}}
@@ -465,6 +471,7 @@ def test_hindsight_spends_at_most_its_share_of_the_regimes_decoding_time():
         ctx.temperature = temperature
         auto.propose(ctx, 8)
         assert auto.asks == 1
+        ctx.step_seconds = 3e-4  # a lone step
         auto.close(ctx)
         assert "auto_hindsight" not in shared or not shared["auto_hindsight"]
 
