@@ -384,6 +384,15 @@ class Auto(DrafterBase):
         self._wake_stale = True
         self.global_est.setdefault(key, Acceptance()).observe(depth, accepted, SERVER_DECAY)
 
+    def _judged(self, key: tuple, depth: int, matched: int, known: int) -> None:
+        """A draft of ``depth`` tokens that was not sent, judged against the ``known``
+        tokens that followed it, its first ``matched`` right: a rejection at ``matched``
+        where one was seen, else ``matched`` accepted (the rest unknown)."""
+        if matched < min(depth, known):
+            self._observe(key, depth, matched)
+        else:
+            self._observe(key, matched, matched)
+
     def _timed(self, name: str, ctx: DraftContext, budget: int) -> Draft:
         t0 = time.perf_counter()
         draft = self.drafters[name].propose(self._ctx(ctx, name), budget)
@@ -695,10 +704,7 @@ class Auto(DrafterBase):
             n, m = 0, min(len(proposal), len(emitted))
             while n < m and proposal[n] == emitted[n]:
                 n += 1
-            if n < m:  # it would have been rejected at n
-                self._observe(key, len(proposal), n)
-            else:  # all it could be checked on was right (the rest is unknown)
-                self._observe(key, n, n)
+            self._judged(key, len(proposal), n, len(emitted))
         self.proposals = {}
         self.step += 1
         for name in self.observers:  # every drafter keeps its state current
@@ -773,10 +779,7 @@ class Auto(DrafterBase):
                         if node is None:
                             break
                         m += 1
-                if m < depth and m < len(after):
-                    self._observe(key, depth, m)
-                else:  # all it could be checked on was right
-                    self._observe(key, m, m)
+                self._judged(key, depth, m, len(after))
                 drafts.setdefault(key, []).append((len(got), parents, depth))
         # worth sending now? As the server's next request would price them: from the
         # server's beliefs at a request's strength
