@@ -4,7 +4,8 @@ checkout against another, in one run.
 
     python benchmarks/auto_idle.py [--regime t1.0] [--model micro] [--repeats 5]
                                    [--tokens 128] [--rounds 4] [--before CHECKOUT]
-                                   [--own-costs] [--method auto] [--out FILE.json]
+                                   [--own-costs] [--method auto] [--ask-every-step]
+                                   [--out FILE.json]
 
 At temperature 1.0 no cheap drafter pays on the suite, so ``auto`` rests from a fresh
 server's first step and asks now and then (``drafters.auto``): what it costs there is its
@@ -24,6 +25,12 @@ and rests at most 8 steps after an ask that found nothing worth sending: its spe
 
 ``--method``: another drafter measured the same way in place of ``auto`` (``suffix``: what
 a change to the searches it shares with ``auto`` does to it alone).
+
+``--ask-every-step``: what an ask costs. ``auto`` is made to ask at every step (no rest)
+and its choice is discarded (plain decoding's pass, its proposals judged as drafts not
+sent): the ratio is then plain decoding's step over a step with auto's whole ask in it --
+both candidates' searches, the pricing, the judging and the bookkeeping -- and
+``1 / ratio - 1`` is an ask's cost in plain steps. A probe of the ask, not a way to run.
 
 ``--before CHECKOUT`` (``git worktree add /tmp/before <commit>``): a worker per checkout
 (``checkouts.checkout_env``), ``--rounds`` rounds, the order alternated round by round;
@@ -117,9 +124,31 @@ def use_costs(model, table: dict[int, float]) -> None:
     costs._LATEST[model] = (costs.compiled_state(model), cost)
 
 
+def ask_every_step() -> None:
+    """``auto`` asked at every step, its choice discarded (``--ask-every-step``)."""
+    from nodraft.drafters import auto
+    from nodraft.drafters.base import NOT_LOOKED
+
+    propose = auto.Auto.propose
+
+    def asking(self, ctx, budget):
+        self.rest = 0
+        draft = propose(self, ctx, budget)
+        if draft is NOT_LOOKED:  # its first step chose a rest: asked now all the same
+            self.rest = self.resting = 0
+            self._quiet_from, self._rested = None, False
+            propose(self, ctx, budget)
+        self.last = None  # nothing sent: its proposals are judged as unsent ones
+        return auto._NONE
+
+    auto.Auto.propose = asking
+
+
 def worker(args: argparse.Namespace) -> None:
     from nodraft.engine.process import freeze_heap
 
+    if args.ask_every_step:
+        ask_every_step()
     model, prompts = warmed(args)
     if args.costs:
         use_costs(model, {int(r): s for r, s in json.loads(args.costs).items()})
@@ -145,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--own-costs", action="store_true",
                    help="each worker times its own pass-cost table (default: one shared)")
+    p.add_argument("--ask-every-step", action="store_true",
+                   help="auto asks at every step and sends nothing: what an ask costs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--time-costs", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--costs", help=argparse.SUPPRESS)  # the shared table, JSON
@@ -161,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     base = [sys.executable, os.path.abspath(__file__), "--regime", args.regime,
             "--model", args.model, "--repeats", str(args.repeats), "--tokens", str(args.tokens),
-            "--method", args.method]
+            "--method", args.method] + (["--ask-every-step"] if args.ask_every_step else [])
     table = None
     if not args.own_costs:  # timed by this checkout, before the workers start
         done = subprocess.run(base + ["--time-costs"], capture_output=True, text=True,
@@ -174,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     checkouts = {"after": here, **({"before": args.before} if args.before else {})}
     rounds = alternate(cmd, checkouts, args.rounds)
     out = {"regime": args.regime, "model": args.model, "method": args.method,
-           "repeats": args.repeats,
+           "ask_every_step": args.ask_every_step, "repeats": args.repeats,
            "tokens": args.tokens, "pass_costs": table,
            "rounds": rounds, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
            "command": "python benchmarks/auto_idle.py " + " ".join(argv or sys.argv[1:])}

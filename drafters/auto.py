@@ -382,7 +382,10 @@ class Auto(DrafterBase):
         else:
             self.copies_pay.discard(key)
         self._wake_stale = True
-        self.global_est.setdefault(key, Acceptance()).observe(depth, accepted, SERVER_DECAY)
+        g = self.global_est.get(key)
+        if g is None:
+            g = self.global_est[key] = Acceptance()
+        g.observe(depth, accepted, SERVER_DECAY)
 
     def _judged(self, key: tuple, depth: int, matched: int, known: int) -> None:
         """A draft of ``depth`` tokens that was not sent, judged against the ``known``
@@ -428,20 +431,24 @@ class Auto(DrafterBase):
             return
         rows, drafted = timing
         if not drafted:
-            self.overhead.setdefault("asked", deque(maxlen=OVERHEAD_STEPS)).append(
-                seconds - self.cost(rows))
+            self._steps("asked").append(seconds - self.cost(rows))
         if ctx.pass_seconds is not None:
             key = "drafted" if drafted else "asked_pass"
-            self.overhead.setdefault(key, deque(maxlen=OVERHEAD_STEPS)).append(
-                seconds - ctx.pass_seconds)
+            self._steps(key).append(seconds - ctx.pass_seconds)
         self._overhead = self._floor = self._base = None
+
+    def _steps(self, kind: str) -> deque:
+        """The server's recent steps of ``kind``: their seconds beyond their pass."""
+        got = self.overhead.get(kind)
+        if got is None:
+            got = self.overhead[kind] = deque(maxlen=OVERHEAD_STEPS)
+        return got
 
     def _learn_plain(self, ctx: DraftContext) -> None:
         """The last step was a rested one, plain decoding's: its time beyond its pass into
         the server's recent plain steps (what an ask is priced against, ``_rest_floor``)."""
         if ctx.step_seconds is not None and self.cost is not None:
-            self.overhead.setdefault("plain", deque(maxlen=OVERHEAD_STEPS)).append(
-                ctx.step_seconds - self.cost(1))
+            self._steps("plain").append(ctx.step_seconds - self.cost(1))
             self._floor = None
 
     def _draft_overhead(self) -> float:
@@ -605,6 +612,7 @@ class Auto(DrafterBase):
         self.proposals = {}
         winner, self.winner = self.winner, None
         cheap = self.cheap if winner is None else (winner,)
+        prices = None  # the passes' prices up to the longest draft, listed once a step
         for name in cheap:  # not timed: tens of microseconds, spent before any choice
             # as lists (``proposal``): a tensor is built only for the draft sent; the cheap
             # drafters keep no per-request state, so they read the request's context itself
@@ -615,8 +623,9 @@ class Auto(DrafterBase):
             est = self._estimate(key)
             if parents is None:  # a chain: trim to the best length
                 self.proposals[key] = tokens
-                g, k = best_length(est, len(tokens), self.cost,
-                                   self._draft_overhead() + base)
+                if prices is None:
+                    prices = self.cost.prices(budget + 1)
+                g, k = best_length(est, len(tokens), prices, self._draft_overhead() + base)
                 if name == winner:  # a copy going on: at least twice the draft it took whole
                     k = max(k, min(len(tokens), 2 * self.won))
                 if g > best_g:

@@ -94,16 +94,27 @@ class Acceptance:
         return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def best_length(belief: Acceptance, n: int, pass_seconds: Callable[[int], float],
+def best_length(belief: Acceptance, n: int,
+                pass_seconds: Callable[[int], float] | list[float],
                 draft_seconds: float = 0.0) -> tuple[float, int]:
     """(goodput, k): the chain length k in 1..n with the best expected goodput,
-    ``E[tokens(k)] / (draft_seconds + pass_seconds(1 + k))``; (0, 0) when n < 1. The
-    passes' prices are read at once where ``pass_seconds`` lists them (``PassCost.prices``):
-    ``auto`` runs this for every match at every step it asks."""
-    prices = getattr(pass_seconds, "prices", None)
-    prices = prices(n + 1) if prices else [pass_seconds(r) for r in range(n + 2)]
-    best_g, best_k = 0.0, 0
-    for k, tokens in enumerate(belief.tokens(n)[1:], start=1):
+    ``E[tokens(k)] / (draft_seconds + pass_seconds(1 + k))``; (0, 0) when n < 1.
+    ``pass_seconds``: a function of the rows, or their prices listed from 0 rows up (at
+    least ``n + 2`` of them: ``PassCost.prices``, which a function that has it is read
+    through at once) -- ``auto`` runs this for every match at every step it asks, and lists
+    the prices once for all of them."""
+    if isinstance(pass_seconds, list):
+        prices = pass_seconds
+    else:
+        listed = getattr(pass_seconds, "prices", None)
+        prices = listed(n + 1) if listed else [pass_seconds(r) for r in range(n + 2)]
+    # ``belief.tokens(n)`` term by term, each length priced as it comes
+    a = belief.accepted
+    r = max(belief.rejected, a * (1 - MAX_ALPHA) / MAX_ALPHA)
+    best_g, best_k, tokens, m = 0.0, 0, 1.0, 1.0
+    for k in range(1, n + 1):
+        m *= (a + k - 1) / (a + r + k - 1)
+        tokens += m
         g = tokens / (draft_seconds + prices[k + 1])
         if g > best_g:
             best_g, best_k = g, k

@@ -232,18 +232,29 @@ class SuffixIndex:
             return [(t, c, (g, depth + 1)) for t, (c, g) in groups.items()]
 
         # While every occurrence continues alike, the tree is a chain of probability 1:
-        # walked directly (on repeating text, most drafts), the heap only past a fork.
-        chain, nodes = [], [(p, w) for p, w in weighted.values()]
-        while len(chain) < limit and len(chain) < depth_left:
-            live = follow(nodes)
-            if not live:
-                break
-            t = live[0][0]
-            if len(live) > 1 and any(u != t for u, _, _ in live):
-                break
-            chain.append(t)
-            nodes = [(p + 1, w) for _, p, w in live]
-        k = len(chain)
+        # read off the groups' keys (their next ``reach`` tokens; one group on repeating
+        # text, most drafts, whose key is the chain), the heap only past a fork. An
+        # occurrence ends at a response's end (None) or the tokens' (its key is shorter).
+        keys = list(weighted)
+        if len(keys) == 1:
+            key = keys[0]
+            k = key.index(None) if None in key else len(key)
+            chain = list(key[:k])
+            live = [0]
+        else:
+            chain, k = [], 0
+            live = [j for j, key in enumerate(keys) if key and key[0] is not None]
+            while live and k < reach:
+                t = keys[live[0]][k]
+                if any(keys[j][k] != t for j in live):
+                    break
+                chain.append(t)
+                k += 1
+                live = [j for j in live if len(keys[j]) > k and keys[j][k] is not None]
+        reps = list(weighted.values())
+        nodes = [(reps[j][0] + k, reps[j][1]) for j in live]
+        if k >= limit:
+            return chain, list(range(-1, k - 1)), float(k), m
         rest, parents, score = grow_tree((nodes, k), limit - k, min_prob, children)
         return (chain + rest, list(range(-1, k - 1)) + [q + k if q >= 0 else k - 1 for q in parents],
                 k + score, m)
@@ -371,7 +382,18 @@ class RequestIndex(SuffixIndex):
             hi = i + width - 1  # the next one starts before i (occurrences may overlap)
 
     def lookup(self, gram: list[int]) -> list[int]:
-        ends = list(itertools.islice(self._ends_back(gram), self.max_occurrences))
+        # ``_ends_back``'s search written out (no generator): on repeating text a K-gram
+        # occurs dozens of times, and suffix decoding looks one up at every step it drafts
+        pat = self._pattern(gram)
+        if pat is None:
+            return []
+        rfind, width, cap = self.words.rfind, len(pat), self.max_occurrences
+        ends: list[int] = []
+        hi = len(self.words)
+        while len(ends) < cap and (i := rfind(pat, 0, hi)) >= 0:
+            if not i & 3:
+                ends.append((i + width) // 4 - 1)
+            hi = i + width - 1
         ends.reverse()
         return ends
 
