@@ -17,8 +17,13 @@ passes. The candidates, and the signals each is judged on:
 
 - ``prompt_lookup`` and ``suffix``: cheap (no model; tens of microseconds), so auto asks
   them for their draft at every step it asks (rests: below) -- that *is* the signal: no
-  n-gram or suffix match, no draft. A match's draft is trimmed to the length where one more
-  token stops paying.
+  n-gram or suffix match, no draft. A match shorter than ``min_match`` tokens (3) is not
+  drafted from, nor judged: a draft's first token is what its match length says most
+  about, and after matches of one or two tokens it was accepted at most 70% of the time,
+  mostly under half (warm greedy servers over the workload suite), which seldom repays a
+  drafted step here -- on beliefs learnt from other text, such drafts cost requests where
+  nothing gains (docs/LOG.md, "A cheaper ask; no drafts from short matches"). A match's
+  draft is trimmed to the length where one more token stops paying.
 - ``eagle`` and ``medusa``: when the model has trained weights. Their draft is not free
   (EAGLE runs its decoder layer ``depth`` times), so auto estimates their goodput from
   their recent acceptance (at the belief's mean: trying one costs a whole draft step) and
@@ -208,6 +213,8 @@ class Auto(DrafterBase):
     class Params:
         candidates: str = "prompt_lookup,suffix,eagle,medusa"  # comma-separated
         num_speculative_tokens: int = 16  # the longest draft auto will send
+        # the shortest match (n-gram, suffix) a cheap candidate's draft is sent from
+        min_match: int = 3
 
         def __post_init__(self):
             names = [c.strip() for c in self.candidates.split(",") if c.strip()]
@@ -216,6 +223,8 @@ class Auto(DrafterBase):
                 raise ValueError(f"candidates must be among {list(CHEAP + TRAINED)}, got {bad or names}")
             if not 1 <= self.num_speculative_tokens <= MAX_ROWS - 1:
                 raise ValueError(f"num_speculative_tokens must be in 1..{MAX_ROWS - 1}")
+            if not 1 <= self.min_match <= 16:
+                raise ValueError("min_match must be in 1..16")
 
     def __init__(self, params: Params, env: DrafterEnv):
         self.params = params
@@ -515,7 +524,7 @@ class Auto(DrafterBase):
             return None
         here = stored = None
         for name, m, _ in self.copies_pay:
-            if name in self.cheap:
+            if name in self.cheap and m >= self.params.min_match:
                 here = m if here is None else min(here, m)
                 if name == "suffix":
                     stored = m if stored is None else min(stored, m)
@@ -613,11 +622,12 @@ class Auto(DrafterBase):
         winner, self.winner = self.winner, None
         cheap = self.cheap if winner is None else (winner,)
         prices = None  # the passes' prices up to the longest draft, listed once a step
+        min_match = self.params.min_match
         for name in cheap:  # not timed: tens of microseconds, spent before any choice
             # as lists (``proposal``): a tensor is built only for the draft sent; the cheap
             # drafters keep no per-request state, so they read the request's context itself
             tokens, parents, match_len = self.drafters[name].proposal(ctx, budget)
-            if not tokens:
+            if not tokens or match_len < min_match:
                 continue
             key = (name, min(match_len, MAX_MATCH), reg)
             est = self._estimate(key)
@@ -773,7 +783,7 @@ class Auto(DrafterBase):
             after = tokens[t:]
             for name in names:
                 got, parents, match_len = drafters[name].proposal(sub, budget)
-                if not got:
+                if not got or match_len < self.params.min_match:
                     continue
                 key = (name, min(match_len, MAX_MATCH), reg)
                 if parents is None:

@@ -479,7 +479,8 @@ def test_hindsight_spends_at_most_its_share_of_the_regimes_decoding_time():
 def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
     from nodraft.drafters.auto import COPIES_PAY
 
-    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    # (2-token matches drafted from: ``min_match`` 1)
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup", "min_match": 1})
     auto = Auto(p, drafter_env(MODEL, {"auto_pause": {"greedy": 0}}))  # not a fresh server
     ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41])  # nothing matches its last tokens
     ctx.temperature = 0.0  # greedy: sampled, rests are not watched
@@ -503,6 +504,25 @@ def test_a_rest_ends_at_the_step_a_copy_believed_to_pay_starts():
     assert copy not in auto.copies_pay
 
 
+def test_a_match_shorter_than_min_match_is_not_drafted_from():
+    """A cheap candidate's match shorter than ``min_match`` tokens is neither sent nor
+    judged, however well believed; at ``min_match`` it is."""
+    ctx = _ctx([5, 9, 11, 3, 7, 2] * 4 + [40, 41, 9, 11])  # [9 11] matches, [41 9 11] not
+    ctx.temperature = 0.0
+    for min_match, sent in ((3, False), (2, True)):
+        _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup",
+                                 "min_match": min_match})
+        shared = {"auto_pause": {"greedy": 0},
+                  "auto_alpha": {("prompt_lookup", 2, "greedy"): Acceptance(30.0, 1.0)}}
+        auto = Auto(p, drafter_env(MODEL, shared))
+        draft = auto.propose(ctx, 8)
+        assert bool(len(draft)) == sent and bool(auto.proposals) == sent
+        if sent:
+            assert draft.tokens.tolist()[:2] == [3, 7]
+    with pytest.raises(ValueError):
+        Registry().parse({"method": "auto", "min_match": 0})
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_only_greedy_rests_are_watched_for_copies(temperature):
     """A copy believed to pay ends a greedy rest at its first step; a sampled rest is not
@@ -511,7 +531,7 @@ def test_only_greedy_rests_are_watched_for_copies(temperature):
     from nodraft.drafters.goodput import regime
 
     reg = regime(temperature)
-    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup"})
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup", "min_match": 1})
     copy = ("prompt_lookup", 2, reg)
     shared = {"auto_pause": {reg: 0}, "auto_alpha": {copy: Acceptance(30.0, 1.0)}}
     auto = Auto(p, drafter_env(MODEL, shared))
@@ -532,7 +552,8 @@ def test_a_rest_ends_where_the_servers_stored_responses_hold_a_copy():
     """Suffix decoding's keys also wake a rest where the context's tail is in its store of
     previous responses (and only theirs: prompt lookup reads the request alone)."""
     shared: dict = {"auto_pause": {"greedy": 0}}  # not a fresh server: asked at once
-    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix"})
+    _, p = Registry().parse({"method": "auto", "candidates": "prompt_lookup,suffix",
+                             "min_match": 1})  # (2-token matches drafted from)
     auto = Auto(p, drafter_env(MODEL, shared))
     ctx = _ctx([5, 9, 11, 3, 7, 2, 40])
     ctx.temperature = 0.0  # greedy: sampled, rests are not watched
@@ -554,8 +575,10 @@ def test_sampled_drafts_that_pay_are_sent(priced_clock):
 
     prompt = [4, 8, 15, 16, 23, 42] * 8  # prompt lookup matches at every step
     # sampled, at a temperature where this tiny model keeps the loop, so drafts do pay (at
-    # 0.7 whether they do depends on the seed's text)
-    _, seq, steps = generate(MODEL, prompt, 40, "auto", {"candidates": "prompt_lookup"},
+    # 0.7 whether they do depends on the seed's text; its sampled text matches its context
+    # by a token or two as often as by three: ``min_match`` 1)
+    _, seq, steps = generate(MODEL, prompt, 40, "auto",
+                             {"candidates": "prompt_lookup", "min_match": 1},
                              SamplingParams(temperature=0.3, seed=1))
     assert sum(1 for s in steps if s.draft) > 5
     assert len(steps) < 40  # drafts were accepted: fewer steps than tokens
@@ -604,10 +627,13 @@ def test_beliefs_are_kept_per_sampling_regime(priced_clock):
 
     shared: dict = {}
     prompt = [4, 8, 15, 16, 23, 42] * 6
-    generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"}, shared=shared)
+    # (this tiny model's sampled text matches its context by a token or two: ``min_match``
+    # 1, in both regimes, so that they draft from matches of the same lengths)
+    params = {"candidates": "prompt_lookup", "min_match": 1}
+    generate(MODEL, prompt, 30, "auto", params, shared=shared)
     assert {k[2] for k in shared["auto_alpha"]} == {"greedy"}
     greedy = {k: (b.accepted, b.rejected) for k, b in shared["auto_alpha"].items()}
-    generate(MODEL, prompt, 30, "auto", {"candidates": "prompt_lookup"},
+    generate(MODEL, prompt, 30, "auto", params,
              SamplingParams(temperature=0.5, seed=0), shared=shared)
     assert {k[2] for k in shared["auto_alpha"]} == {"greedy", "t<=0.85"}
     # the sampled request counted into its own regime's beliefs, and left greedy's as they were
