@@ -424,6 +424,17 @@ class Auto(DrafterBase):
             got = self._shapes[name, budget] = (depth, rows)
         return got
 
+    def _priced(self, est: Acceptance, tokens: list[int], parents: list[int] | None,
+                prices) -> tuple[float, int]:
+        """(goodput, tokens to send) of a cheap candidate's draft: a chain trimmed to its
+        best length (``best_length``, ``prices`` a function of the rows or their list), a
+        tree whole."""
+        if parents is None:
+            return best_length(est, len(tokens), prices,
+                               self._draft_overhead() + self._step_overhead())
+        depth = max(tree_depths(parents))
+        return self._goodput(est.tokens(depth)[depth], len(tokens), 0.0), len(tokens)
+
     def _goodput(self, tokens: float, rows: int, seconds: float) -> float:
         return tokens / (self.cost(1 + rows) + seconds + self._draft_overhead()
                          + self._step_overhead())
@@ -635,17 +646,11 @@ class Auto(DrafterBase):
                 self.proposals[key] = tokens
                 if prices is None:
                     prices = self.cost.prices(budget + 1)
-                g, k = best_length(est, len(tokens), prices, self._draft_overhead() + base)
-                if name == winner:  # a copy going on: at least twice the draft it took whole
-                    k = max(k, min(len(tokens), 2 * self.won))
-                if g > best_g:
-                    best_key, best_draft, best_g = key, (tokens, None, match_len, k), g
-            else:
-                depth = max(tree_depths(parents))
-                g = self._goodput(est.tokens(depth)[depth], len(tokens), 0.0)
-                if g > best_g:
-                    best_key, best_g = key, g
-                    best_draft = (tokens, parents, match_len, len(tokens))
+            g, k = self._priced(est, tokens, parents, prices)
+            if name == winner and parents is None:  # a copy going on: at least twice the
+                k = max(k, min(len(tokens), 2 * self.won))  # draft it took whole
+            if g > best_g:
+                best_key, best_draft, best_g = key, (tokens, parents, match_len, k), g
         looks = False
         if winner is None and self.trained:  # (0 again below if one is worth a draft)
             looks = self._trained_in == 0
@@ -720,10 +725,7 @@ class Auto(DrafterBase):
         for key, proposal in self.proposals.items():
             if self.last is not None and key[0] == self.last[0][0]:
                 continue
-            n, m = 0, min(len(proposal), len(emitted))
-            while n < m and proposal[n] == emitted[n]:
-                n += 1
-            self._judged(key, len(proposal), n, len(emitted))
+            self._judged(key, *_matched(proposal, None, emitted), len(emitted))
         self.proposals = {}
         self.step += 1
         for name in self.observers:  # every drafter keeps its state current
@@ -786,20 +788,8 @@ class Auto(DrafterBase):
                 if not got or match_len < self.params.min_match:
                     continue
                 key = (name, min(match_len, MAX_MATCH), reg)
-                if parents is None:
-                    depth, m = len(got), 0
-                    while m < depth and m < len(after) and got[m] == after[m]:
-                        m += 1
-                else:  # the tree's path along the tokens that followed
-                    depth, m, node = max(tree_depths(parents)), 0, -1
-                    while m < len(after):
-                        node = next((i for i, (u, q) in enumerate(zip(got, parents))
-                                     if q == node and u == after[m]), None)
-                        if node is None:
-                            break
-                        m += 1
-                self._judged(key, depth, m, len(after))
-                drafts.setdefault(key, []).append((len(got), parents, depth))
+                self._judged(key, *_matched(got, parents, after), len(after))
+                drafts.setdefault(key, []).append((got, parents))
         # worth sending now? As the server's next request would price them: from the
         # server's beliefs at a request's strength
         self.est.clear()
@@ -807,15 +797,30 @@ class Auto(DrafterBase):
         plain = 1.0 / (cost(1) + base)
         for key, seen in drafts.items():
             est = self._estimate(key)
-            for rows, parents, depth in seen:
-                if parents is None:
-                    g = best_length(est, rows, cost, self._draft_overhead() + base)[0]
-                else:
-                    g = self._goodput(est.tokens(depth)[depth], rows, 0.0)
-                if g > plain:
+            for got, parents in seen:
+                if self._priced(est, got, parents, cost)[0] > plain:
                     self.server_pause[reg] = 0
                     break
         self.hindsight_credit[reg] = min(credit, 0.0) - (time.perf_counter() - t0)
+
+
+def _matched(tokens: list[int], parents: list[int] | None, after: list[int]
+             ) -> tuple[int, int]:
+    """(depth, matched) of a draft against the tokens that followed it: a chain's length
+    and matching prefix; a tree's depth and its path along them."""
+    if parents is None:
+        m, most = 0, min(len(tokens), len(after))
+        while m < most and tokens[m] == after[m]:
+            m += 1
+        return len(tokens), m
+    m, node = 0, -1
+    while m < len(after):
+        node = next((i for i, (u, q) in enumerate(zip(tokens, parents))
+                     if q == node and u == after[m]), None)
+        if node is None:
+            break
+        m += 1
+    return max(tree_depths(parents)), m
 
 
 _NONE = Draft(torch.empty(0, dtype=torch.long), method="none")
